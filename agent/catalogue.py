@@ -1,0 +1,226 @@
+"""The metric catalogue: every metric the agent exports, declared once.
+
+Exporters, the README's metric table, dashboards and alert rules are all checked against
+this list (see ``tests/test_catalogue.py``). A sampler that emits a name missing here is a
+bug: the exporter drops the sample and counts it in
+``kvpressure_exporter_unknown_samples_total``.
+
+Naming follows Prometheus conventions: base units (bytes, seconds), ratios in 0-1 with
+``_ratio``, counters with ``_total``. ``otel`` gives the OpenTelemetry instrument name
+(``hw.*``/``system.*``/``gen_ai.*`` semantic conventions where one exists).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Kind = Literal["gauge", "counter", "histogram", "info"]
+
+ENGINE_LABELS = ("engine", "instance", "model")
+
+
+@dataclass(frozen=True, slots=True)
+class Metric:
+    """One exported metric.
+
+    Attributes:
+        name: the Prometheus name, ``kvpressure_`` prefixed, with unit and ``_total``
+            suffixes as Prometheus expects.
+        kind: ``gauge``, ``counter``, ``histogram`` or ``info`` (a constant-1 gauge).
+        unit: the base unit (``bytes``, ``seconds``, ``ratio``, ``tokens``, ``pages``,
+            ``requests``, ``1`` for dimensionless counts).
+        help: one-line help text, including the data source.
+        labels: the label names the metric may carry (a label may be absent on a sample).
+        otel: the OpenTelemetry instrument name used by the OTLP exporter.
+        area: the README section the metric is listed under.
+    """
+
+    name: str
+    kind: Kind
+    unit: str
+    help: str
+    labels: tuple[str, ...] = ()
+    otel: str = ""
+    area: str = "agent"
+
+
+def _m(
+    name: str,
+    kind: Kind,
+    unit: str,
+    help_: str,
+    labels: tuple[str, ...] = (),
+    otel: str = "",
+    area: str = "agent",
+) -> Metric:
+    return Metric(name, kind, unit, help_, labels, otel or name.removeprefix("kvpressure_"), area)
+
+
+_ALL: tuple[Metric, ...] = (
+    # --- agent self-metrics -------------------------------------------------------------
+    _m("kvpressure_build_info", "info", "1", "Agent version; always 1.", ("version", "python")),
+    _m("kvpressure_sampler_up", "gauge", "1",
+       "1 when the sampler's last collection succeeded within its timeout, else 0.", ("sampler",)),
+    _m("kvpressure_sampler_duration_seconds", "gauge", "seconds",
+       "Wall time of the sampler's last collection.", ("sampler",)),
+    _m("kvpressure_sampler_failures_total", "counter", "1",
+       "Collections that raised or timed out, by sampler.", ("sampler", "reason")),
+    _m("kvpressure_source_up", "gauge", "1",
+       "1 when a source inside a sampler (a /proc file, an endpoint) was read in the last "
+       "cycle, 0 when it failed. Sources the system does not have are absent here and "
+       "listed in kvpressure_source_unsupported.", ("sampler", "source")),
+    _m("kvpressure_source_unsupported", "gauge", "1",
+       "1 for each source the system does not provide, with the reason "
+       "(e.g. kernel_without_psi).", ("sampler", "source", "reason")),
+    _m("kvpressure_timeline_series", "gauge", "1",
+       "Series currently held in the in-memory timeline."),
+    _m("kvpressure_timeline_dropped_series_total", "counter", "1",
+       "Samples dropped because the timeline's series cap was reached."),
+    _m("kvpressure_exporter_unknown_samples_total", "counter", "1",
+       "Samples dropped by the exporter because their name is not in the catalogue."),
+    _m("kvpressure_config_reloads_total", "counter", "1",
+       "SIGHUP reloads by result (ok, invalid).", ("result",)),
+    # --- host ---------------------------------------------------------------------------
+    _m("kvpressure_host_memory_total_bytes", "gauge", "bytes",
+       "Effective memory total: min(/proc/meminfo MemTotal, the agent's cgroup memory limit "
+       "and its ancestors').", (), "system.memory.limit", "host"),
+    _m("kvpressure_host_memory_available_bytes", "gauge", "bytes",
+       "Effective available memory: MemAvailable, or cgroup limit minus cgroup usage when a "
+       "cgroup limit is lower.", (), "system.memory.available", "host"),
+    _m("kvpressure_host_meminfo_total_bytes", "gauge", "bytes",
+       "MemTotal as /proc/meminfo shows it (the host's view inside a container).", (), "", "host"),
+    _m("kvpressure_host_meminfo_available_bytes", "gauge", "bytes",
+       "MemAvailable as /proc/meminfo shows it.", (), "", "host"),
+    _m("kvpressure_host_cgroup_memory_limit_bytes", "gauge", "bytes",
+       "Lowest memory limit of the agent's cgroup and its ancestors (v2 memory.max, v1 "
+       "memory.limit_in_bytes); absent when unlimited.", (), "", "host"),
+    _m("kvpressure_host_cgroup_memory_used_bytes", "gauge", "bytes",
+       "Memory charged to the agent's cgroup (v2 memory.current, v1 memory.usage_in_bytes).",
+       (), "", "host"),
+    _m("kvpressure_host_swap_total_bytes", "gauge", "bytes", "SwapTotal from /proc/meminfo.",
+       (), "", "host"),
+    _m("kvpressure_host_swap_used_bytes", "gauge", "bytes",
+       "SwapTotal - SwapFree from /proc/meminfo.", (), "system.paging.usage", "host"),
+    _m("kvpressure_host_major_page_faults_total", "counter", "1",
+       "Major page faults (/proc/vmstat pgmajfault).", (), "system.paging.faults", "host"),
+    _m("kvpressure_host_swap_in_pages_total", "counter", "pages",
+       "Pages swapped in (/proc/vmstat pswpin).", (), "", "host"),
+    _m("kvpressure_host_swap_out_pages_total", "counter", "pages",
+       "Pages swapped out (/proc/vmstat pswpout).", (), "", "host"),
+    _m("kvpressure_psi_stall_seconds_total", "counter", "seconds",
+       "Pressure stall time from /proc/pressure/* (scope=system) or an engine cgroup's "
+       "*.pressure files (scope=<engine>). kind is some or full; system-level cpu full is "
+       "undefined and never exported.", ("resource", "kind", "scope"), "", "host"),
+    _m("kvpressure_psi_avg10_ratio", "gauge", "ratio",
+       "PSI avg10 (share of the last 10 s with stalled tasks), as a 0-1 ratio.",
+       ("resource", "kind", "scope"), "", "host"),
+    _m("kvpressure_disk_read_bytes_total", "counter", "bytes",
+       "Bytes read from a whole physical disk (/proc/diskstats sectors read x 512).",
+       ("device",), "system.disk.io", "host"),
+    _m("kvpressure_disk_written_bytes_total", "counter", "bytes",
+       "Bytes written to a whole physical disk (/proc/diskstats sectors written x 512).",
+       ("device",), "system.disk.io", "host"),
+    _m("kvpressure_disk_reads_completed_total", "counter", "1",
+       "Reads completed (/proc/diskstats).", ("device",), "system.disk.operations", "host"),
+    _m("kvpressure_disk_writes_completed_total", "counter", "1",
+       "Writes completed (/proc/diskstats).", ("device",), "system.disk.operations", "host"),
+    _m("kvpressure_disk_io_time_seconds_total", "counter", "seconds",
+       "Time the device had I/O in flight (/proc/diskstats ms doing I/O).",
+       ("device",), "system.disk.io_time", "host"),
+    _m("kvpressure_disk_io_time_weighted_seconds_total", "counter", "seconds",
+       "Weighted time doing I/O; its rate is the average queue depth (/proc/diskstats).",
+       ("device",), "system.disk.weighted_io_time", "host"),
+    _m("kvpressure_net_receive_bytes_total", "counter", "bytes",
+       "Bytes received per interface (/proc/net/dev).", ("interface",), "system.network.io",
+       "host"),
+    _m("kvpressure_net_transmit_bytes_total", "counter", "bytes",
+       "Bytes transmitted per interface (/proc/net/dev).", ("interface",), "system.network.io",
+       "host"),
+    _m("kvpressure_net_receive_errors_total", "counter", "1",
+       "Receive errors per interface (/proc/net/dev).", ("interface",), "system.network.errors",
+       "host"),
+    _m("kvpressure_net_transmit_errors_total", "counter", "1",
+       "Transmit errors per interface (/proc/net/dev).", ("interface",),
+       "system.network.errors", "host"),
+    _m("kvpressure_net_receive_drops_total", "counter", "1",
+       "Received packets dropped per interface (/proc/net/dev).", ("interface",),
+       "system.network.dropped", "host"),
+    _m("kvpressure_net_transmit_drops_total", "counter", "1",
+       "Transmitted packets dropped per interface (/proc/net/dev).", ("interface",),
+       "system.network.dropped", "host"),
+    _m("kvpressure_net_tcp_retransmitted_segments_total", "counter", "1",
+       "TCP segments retransmitted (/proc/net/snmp Tcp RetransSegs).", (), "", "host"),
+    _m("kvpressure_memory_tier_bytes", "gauge", "bytes",
+       "Memory per tier: tier=dram (NUMA node with CPUs), cxl (CPU-less NUMA node), swap; "
+       "state=total|used|free. From /sys/devices/system/node/node*/meminfo and /proc/meminfo.",
+       ("tier", "node", "state"), "", "host"),
+    # --- engines ------------------------------------------------------------------------
+    _m("kvpressure_engine_up", "gauge", "1",
+       "1 when the engine's metrics endpoint answered with usable exposition, 0 when it "
+       "failed (HTTP error, timeout, refused, JSON or garbage). The reason is in the logs "
+       "and kvpressure_source_up.", ("engine", "instance"), "", "engine"),
+    _m("kvpressure_engine_info", "info", "1",
+       "The engine type and model an endpoint serves; always 1.",
+       ("engine", "instance", "type", "model"), "", "engine"),
+    _m("kvpressure_engine_scrape_samples", "gauge", "1",
+       "Samples parsed from the engine's last metrics response.", ("engine", "instance"), "",
+       "engine"),
+    _m("kvpressure_engine_parse_errors_total", "counter", "1",
+       "Exposition lines or families that could not be parsed and were skipped.",
+       ("engine", "instance"), "", "engine"),
+    _m("kvpressure_engine_restarts_total", "counter", "1",
+       "Engine restarts seen as counter resets or a new process_start_time_seconds.",
+       ("engine", "instance"), "", "engine"),
+    _m("kvpressure_engine_kv_cache_usage_ratio", "gauge", "ratio",
+       "Fraction of the engine's KV-cache capacity in use (0-1). vLLM kv_cache_usage_perc "
+       "(or the deprecated gpu_cache_usage_perc); llama.cpp derived from /slots.",
+       ENGINE_LABELS, "gen_ai.server.kv_cache.usage", "engine"),
+    _m("kvpressure_engine_kv_cache_used_tokens", "gauge", "tokens",
+       "KV-cache tokens in use, where the engine lets us derive them (llama.cpp: prompt plus "
+       "decoded tokens of each processing slot, from /slots).", ENGINE_LABELS, "", "engine"),
+    _m("kvpressure_engine_kv_cache_capacity_tokens", "gauge", "tokens",
+       "KV-cache capacity in tokens (llama.cpp: sum of the slots' n_ctx; vLLM: "
+       "num_gpu_blocks x block_size from cache_config_info).", ENGINE_LABELS, "", "engine"),
+    _m("kvpressure_engine_slots", "gauge", "1",
+       "Request slots (llama.cpp /slots): state=total|processing.",
+       ("engine", "instance", "model", "state"), "", "engine"),
+    _m("kvpressure_engine_requests_running", "gauge", "requests",
+       "Requests being processed (vLLM num_requests_running, llama.cpp requests_processing).",
+       ENGINE_LABELS, "gen_ai.server.requests.running", "engine"),
+    _m("kvpressure_engine_requests_waiting", "gauge", "requests",
+       "Requests queued for a slot or for KV space (vLLM num_requests_waiting, llama.cpp "
+       "requests_deferred).", ENGINE_LABELS, "gen_ai.server.requests.waiting", "engine"),
+    _m("kvpressure_engine_preemptions_total", "counter", "1",
+       "Requests preempted to free KV space (vLLM num_preemptions).", ENGINE_LABELS, "",
+       "engine"),
+    _m("kvpressure_engine_prefix_cache_queried_tokens_total", "counter", "tokens",
+       "Prompt tokens looked up in the prefix cache.", ENGINE_LABELS, "", "engine"),
+    _m("kvpressure_engine_prefix_cache_hit_tokens_total", "counter", "tokens",
+       "Prompt tokens served from the prefix cache (llama.cpp prompt_tokens_cached_total).",
+       ENGINE_LABELS, "", "engine"),
+    _m("kvpressure_engine_prompt_tokens_total", "counter", "tokens",
+       "Prompt (prefill) tokens computed by the engine.", ENGINE_LABELS,
+       "gen_ai.server.usage.input_tokens", "engine"),
+    _m("kvpressure_engine_generation_tokens_total", "counter", "tokens",
+       "Generated (decode) tokens.", ENGINE_LABELS, "gen_ai.server.usage.output_tokens",
+       "engine"),
+    _m("kvpressure_engine_prompt_seconds_total", "counter", "seconds",
+       "Time the engine spent in prefill (llama.cpp prompt_seconds_total).", ENGINE_LABELS, "",
+       "engine"),
+    _m("kvpressure_engine_generation_seconds_total", "counter", "seconds",
+       "Time the engine spent in decode (llama.cpp tokens_predicted_seconds_total).",
+       ENGINE_LABELS, "", "engine"),
+)
+
+CATALOGUE: dict[str, Metric] = {m.name: m for m in _ALL}
+"""Every exported metric by name."""
+
+
+def get(name: str) -> Metric:
+    """Return the catalogue entry for ``name``.
+
+    Raises:
+        KeyError: ``name`` is not in the catalogue.
+    """
+    return CATALOGUE[name]

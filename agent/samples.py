@@ -1,0 +1,107 @@
+"""The unit of data that flows from samplers to the core: :class:`Sample` and :class:`Batch`.
+
+A sample is one value of one series: a catalogue metric name, a float in the metric's
+base unit, and a sorted tuple of ``(label, value)`` pairs. Samplers never build samples
+for values they do not have: :meth:`Batch.add` silently drops ``None`` and NaN, so
+"missing" is always "absent" and never ``0`` or ``NaN`` in the agent's output.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+Labels = tuple[tuple[str, str], ...]
+"""Label pairs sorted by label name, e.g. ``(("engine", "vllm"), ("instance", "h:8000"))``."""
+
+
+def make_labels(labels: dict[str, str | None]) -> Labels:
+    """Return ``labels`` as a sorted tuple, dropping labels whose value is ``None`` or empty.
+
+    Args:
+        labels: label name to value.
+
+    Returns:
+        Sorted ``(name, value)`` pairs; empty values are dropped because Prometheus
+        treats an empty label value as an absent label.
+    """
+    return tuple(sorted((k, str(v)) for k, v in labels.items() if v is not None and v != ""))
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """One value of one series.
+
+    Attributes:
+        name: the catalogue metric name (``kvpressure_*``).
+        value: the value in the metric's base unit (bytes, seconds, ratio 0-1, count).
+        labels: sorted label pairs (see :func:`make_labels`).
+    """
+
+    name: str
+    value: float
+    labels: Labels = ()
+
+
+@dataclass(frozen=True, slots=True)
+class SourceStatus:
+    """Health of one data source inside a sampler (one /proc file, one HTTP endpoint).
+
+    Attributes:
+        source: short source name, e.g. ``"psi"`` or ``"diskstats"``.
+        state: ``"ok"``, ``"error"`` (failed this cycle) or ``"unsupported"`` (the system
+            does not have it; logged once, not retried every cycle).
+        reason: a short machine-readable reason (``"kernel_without_psi"``, ``"http_500"``);
+            empty when ``state`` is ``"ok"``.
+    """
+
+    source: str
+    state: str
+    reason: str = ""
+
+
+@dataclass(slots=True)
+class Batch:
+    """The samples and source statuses a sampler produced in one cycle.
+
+    A sampler fills a batch through :meth:`add`; a source that failed is recorded with
+    :meth:`source_error` and the rest of the batch is still used (partial results are
+    results).
+    """
+
+    samples: list[Sample] = field(default_factory=list)
+    sources: list[SourceStatus] = field(default_factory=list)
+
+    def add(self, name: str, value: float | int | None, **labels: str | None) -> None:
+        """Append a sample unless ``value`` is missing.
+
+        Args:
+            name: catalogue metric name.
+            value: value in base units; ``None``, NaN and infinities are dropped.
+            **labels: label values; ``None`` or empty values are left out.
+        """
+        if value is None:
+            return
+        v = float(value)
+        if math.isnan(v) or math.isinf(v):
+            return
+        self.samples.append(Sample(name, v, make_labels(labels)))
+
+    def source_ok(self, source: str) -> None:
+        """Record that ``source`` was read successfully this cycle."""
+        self.sources.append(SourceStatus(source, "ok"))
+
+    def source_error(self, source: str, reason: str) -> None:
+        """Record that ``source`` failed this cycle with a short ``reason``."""
+        self.sources.append(SourceStatus(source, "error", reason))
+
+    def source_unsupported(self, source: str, reason: str) -> None:
+        """Record that ``source`` does not exist on this system (``reason`` says why)."""
+        self.sources.append(SourceStatus(source, "unsupported", reason))
+
+    def __iter__(self) -> Iterator[Sample]:
+        return iter(self.samples)
+
+    def __len__(self) -> int:
+        return len(self.samples)
