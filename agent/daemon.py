@@ -1,0 +1,394 @@
+"""The daemon: builds samplers from the config, runs each on its own schedule, serves HTTP.
+
+Scheduling: every sampler runs on its own daemon thread (:class:`SamplerRunner`), starting
+a collection every ``interval_s`` seconds (missed ticks are skipped, never queued). A
+watchdog on the event loop marks a sampler down (``kvpressure_sampler_up 0``, reason
+``timeout``) as soon as a collection runs past its ``timeout_s``; the stuck thread delays
+nothing else, and its late result is discarded. The HTTP server (aiohttp), engine
+auto-discovery and signal handling run on the asyncio loop.
+
+Signals: SIGTERM/SIGINT stop the agent within 2 s; SIGHUP reloads the config file (an
+invalid file is rejected with a logged error and the last good config keeps running).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from aiohttp import web
+
+from agent import logs
+from agent.api import make_app
+from agent.config import Config, ConfigError, EngineConfig, load
+from agent.samplers.base import Sampler
+from agent.samples import Batch
+from agent.state import AgentState, SamplerReport
+from agent.timeline import Timeline
+from exporters.prometheus import make_registry
+
+log = logging.getLogger(__name__)
+
+SHUTDOWN_GRACE_S = 1.5
+
+
+class SamplerRunner:
+    """Runs one sampler on its own daemon thread and publishes its reports.
+
+    Args:
+        sampler: the sampler to run.
+        state: where reports go.
+        spec: a hashable description of how the sampler was built; the daemon keeps the
+            runner across reloads when the spec is unchanged (so counter state survives).
+    """
+
+    def __init__(self, sampler: Sampler, state: AgentState, spec: object) -> None:
+        self.sampler = sampler
+        self.spec = spec
+        self._state = state
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._main, name=f"sampler-{sampler.name}", daemon=True
+        )
+        self._lock = threading.Lock()
+        self._running_since: float | None = None
+        self._timed_out = False
+
+    def start(self) -> None:
+        """Start the sampler thread."""
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Ask the thread to stop after its current collection; does not wait."""
+        self._stop.set()
+
+    def join(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the thread; True when it ended."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def check_timeout(self, now: float) -> None:
+        """Mark the sampler down if its current collection has run past its timeout."""
+        with self._lock:
+            since = self._running_since
+            if since is None or self._timed_out or now - since <= self.sampler.timeout_s:
+                return
+            self._timed_out = True
+        log.warning(
+            "sampler timed out; its result will be discarded",
+            extra={"kv": {"sampler": self.sampler.name, "timeout_s": self.sampler.timeout_s}},
+        )
+        self._state.publish(
+            SamplerReport(self.sampler.name, time.time(), now - since, False, "timeout")
+        )
+
+    def collect_once(self) -> SamplerReport:
+        """Run one collection now and return its report (also used by tests)."""
+        ts = time.time()
+        t0 = time.monotonic()
+        batch = Batch()
+        try:
+            self.sampler.collect(batch)
+        except Exception as exc:  # noqa: BLE001 - a sampler failure must not kill its thread
+            dur = time.monotonic() - t0
+            log.warning(
+                "sampler failed",
+                extra={
+                    "kv": {"sampler": self.sampler.name, "error": f"{type(exc).__name__}: {exc}"}
+                },
+            )
+            return SamplerReport(self.sampler.name, ts, dur, False, type(exc).__name__)
+        return SamplerReport(self.sampler.name, ts, time.monotonic() - t0, True, "", batch)
+
+    def _main(self) -> None:
+        interval = self.sampler.interval_s
+        next_t = time.monotonic()
+        while not self._stop.is_set():
+            with self._lock:
+                self._running_since = time.monotonic()
+                self._timed_out = False
+            report = self.collect_once()
+            with self._lock:
+                self._running_since = None
+                late = self._timed_out
+            if not late and not self._stop.is_set():
+                self._state.publish(report)
+            next_t += interval
+            now = time.monotonic()
+            if next_t < now:  # skip missed ticks instead of bursting to catch up
+                next_t = now + interval - ((now - next_t) % interval)
+            self._stop.wait(next_t - now)
+        with contextlib.suppress(Exception):
+            self.sampler.close()
+
+
+@dataclass(frozen=True)
+class _EngineSpec:
+    name: str
+    url: str
+    type: str
+    interval_s: float
+
+
+def _engine_cgroups(cfg: Config) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for e in cfg.engines:
+        scope = e.cgroup or e.unit
+        if scope:
+            out[e.label] = scope
+    return out
+
+
+class Daemon:
+    """The running agent.
+
+    Args:
+        config: the validated configuration.
+        config_path: the file to re-read on SIGHUP; ``None`` when running on the embedded
+            default (SIGHUP then only logs that there is nothing to reload).
+        probe: ``probe(url) -> engine type | None`` used by auto-discovery; injectable for
+            tests, defaults to :func:`agent.samplers.engines.probe`.
+        extra_samplers: samplers to run besides those the config asks for (embedding,
+            tests); they are kept across reloads.
+    """
+
+    def __init__(
+        self,
+        config: Config,
+        config_path: str | Path | None = None,
+        probe: Callable[[str], str | None] | None = None,
+        extra_samplers: Sequence[Sampler] = (),
+    ) -> None:
+        self.config = config
+        self.config_path = Path(config_path) if config_path else None
+        self.state = AgentState(
+            Timeline(config.timeline.points_per_series, config.timeline.max_series)
+        )
+        self._registry = make_registry(self.state)
+        self._runners: dict[str, SamplerRunner] = {}
+        self._discovered: dict[str, EngineConfig] = {}
+        self._probe = probe
+        self._extra = {s.name: s for s in extra_samplers}
+        self._stopping: asyncio.Event | None = None
+        self._site_runner: web.AppRunner | None = None
+        self._listen: str | None = None
+        self.bound_port: int | None = None
+
+    # ---- sampler set ---------------------------------------------------------------
+    def _desired(self, cfg: Config) -> dict[str, tuple[object, Callable[[], Sampler]]]:
+        """Return sampler name -> (spec, factory) for everything ``cfg`` asks for."""
+        out: dict[str, tuple[object, Callable[[], Sampler]]] = {}
+        for name, extra in self._extra.items():
+            out[name] = (("extra", id(extra)), lambda s=extra: s)  # type: ignore[misc]
+        if cfg.samplers.host.enabled:
+            interval = cfg.samplers.host.interval_s or cfg.interval_s
+            cgroups = _engine_cgroups(cfg)
+            spec = (
+                "host",
+                cfg.procfs_root,
+                cfg.sysfs_root,
+                tuple(sorted(cgroups.items())),
+                interval,
+            )
+
+            def host_factory() -> Sampler:
+                from agent.samplers.host import HostSampler
+
+                return HostSampler(
+                    procfs_root=cfg.procfs_root,
+                    sysfs_root=cfg.sysfs_root,
+                    engine_cgroups=cgroups,
+                    interval_s=interval,
+                )
+
+            out["host"] = (spec, host_factory)
+        if cfg.samplers.engines.enabled:
+            interval = cfg.samplers.engines.interval_s or cfg.interval_s
+            for e in [*cfg.engines, *self._discovered.values()]:
+                espec = _EngineSpec(e.label, e.url, e.type, interval)
+
+                def engine_factory(s: _EngineSpec = espec) -> Sampler:
+                    from agent.samplers.engines import make_engine_sampler
+
+                    return make_engine_sampler(
+                        name=s.name, url=s.url, engine_type=s.type, interval_s=s.interval_s
+                    )
+
+                out[f"engine:{e.label}"] = (espec, engine_factory)
+        return out
+
+    def _apply(self, cfg: Config) -> None:
+        """Start, keep or stop runners so they match ``cfg``."""
+        desired = self._desired(cfg)
+        for name in list(self._runners):
+            if name not in desired or desired[name][0] != self._runners[name].spec:
+                runner = self._runners.pop(name)
+                runner.stop()
+                self.state.remove(name)
+                log.info("sampler stopped", extra={"kv": {"sampler": name}})
+        for name, (spec, factory) in desired.items():
+            if name in self._runners:
+                continue
+            try:
+                sampler = factory()
+            except Exception as exc:  # noqa: BLE001 - one bad sampler must not stop the rest
+                log.error(
+                    "sampler could not be created",
+                    extra={"kv": {"sampler": name, "error": f"{type(exc).__name__}: {exc}"}},
+                )
+                self.state.publish(SamplerReport(name, time.time(), 0.0, False, "init"))
+                continue
+            runner = SamplerRunner(sampler, self.state, spec)
+            self._runners[name] = runner
+            runner.start()
+            log.info(
+                "sampler started",
+                extra={"kv": {"sampler": name, "interval_s": sampler.interval_s}},
+            )
+
+    # ---- discovery -----------------------------------------------------------------
+    async def _discover_once(self) -> None:
+        cfg = self.config
+        if not (cfg.discovery.enabled and cfg.samplers.engines.enabled):
+            return
+        probe = self._probe
+        if probe is None:
+            from agent.samplers.engines import probe as default_probe
+
+            probe = default_probe
+        known = {e.instance for e in cfg.engines} | {e.instance for e in self._discovered.values()}
+        names = {e.label for e in cfg.engines} | set(self._discovered)
+        changed = False
+        for port in cfg.discovery.ports:
+            url = f"http://{cfg.discovery.host}:{port}"
+            if f"{cfg.discovery.host}:{port}" in known:
+                continue
+            try:
+                kind = await asyncio.to_thread(probe, url)
+            except Exception:  # noqa: BLE001 - a probe error means "nothing there"
+                kind = None
+            if not kind:
+                continue
+            name = kind if kind not in names else f"{kind}-{port}"
+            names.add(name)
+            self._discovered[name] = EngineConfig(url=url, type=kind, name=name)  # type: ignore[arg-type]
+            log.info("engine discovered", extra={"kv": {"engine": name, "url": url, "type": kind}})
+            changed = True
+        if changed:
+            self._apply(cfg)
+
+    async def _discovery_loop(self) -> None:
+        while True:
+            try:
+                await self._discover_once()
+            except Exception:
+                log.exception("engine discovery failed")
+            await asyncio.sleep(self.config.discovery.interval_s)
+
+    # ---- reload --------------------------------------------------------------------
+    def reload(self) -> bool:
+        """Re-read the config file; apply it if valid. Returns True when applied."""
+        if self.config_path is None:
+            log.info("SIGHUP: running on the embedded default; nothing to reload")
+            return False
+        try:
+            new = load(self.config_path)
+        except ConfigError as exc:
+            self.state.count_reload("invalid")
+            log.error(
+                "config reload rejected; keeping the last good config",
+                extra={"kv": {"error": str(exc)}},
+            )
+            return False
+        old = self.config
+        self.config = new
+        if new.discovery != old.discovery or not new.discovery.enabled:
+            self._discovered.clear()
+        logs.set_level(new.log_level)
+        self._apply(new)
+        self.state.count_reload("ok")
+        log.info("config reloaded", extra={"kv": {"path": str(self.config_path)}})
+        return True
+
+    # ---- HTTP ----------------------------------------------------------------------
+    async def _serve(self, listen_host: str, listen_port: int) -> None:
+        app = make_app(self.state, self._registry)
+        runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=0.5)
+        await runner.setup()
+        site = web.TCPSite(runner, listen_host, listen_port, reuse_address=True)
+        await site.start()
+        old, self._site_runner = self._site_runner, runner
+        self._listen = f"{listen_host}:{listen_port}"
+        server = site._server
+        sockets = getattr(server, "sockets", None) or []
+        self.bound_port = sockets[0].getsockname()[1] if sockets else listen_port
+        log.info("listening", extra={"kv": {"address": f"{listen_host}:{self.bound_port}"}})
+        if old is not None:
+            await old.cleanup()
+
+    # ---- main ----------------------------------------------------------------------
+    async def run(self, ready: Callable[[], None] | None = None) -> None:
+        """Run until SIGTERM/SIGINT (or :meth:`request_stop`).
+
+        Args:
+            ready: called once the HTTP listener is up and the samplers are started.
+
+        Raises:
+            OSError: the listen address cannot be bound.
+        """
+        loop = asyncio.get_running_loop()
+        self._stopping = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, self._stopping.set)
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(signal.SIGHUP, self._on_hup)
+        await self._serve(self.config.listen_host, self.config.listen_port)
+        self._apply(self.config)
+        tasks = [asyncio.create_task(self._discovery_loop()), asyncio.create_task(self._watchdog())]
+        if ready:
+            ready()
+        try:
+            await self._stopping.wait()
+        finally:
+            log.info("shutting down")
+            for t in tasks:
+                t.cancel()
+            await self._shutdown()
+
+    def _on_hup(self) -> None:
+        listen = self.config.listen
+        if self.reload() and self.config.listen != listen:
+            asyncio.get_running_loop().create_task(
+                self._serve(self.config.listen_host, self.config.listen_port)
+            )
+
+    def request_stop(self) -> None:
+        """Ask :meth:`run` to return (thread-safe only from the loop's thread)."""
+        if self._stopping is not None:
+            self._stopping.set()
+
+    async def _watchdog(self) -> None:
+        while True:
+            now = time.monotonic()
+            for r in list(self._runners.values()):
+                r.check_timeout(now)
+            await asyncio.sleep(0.1)
+
+    async def _shutdown(self) -> None:
+        runners = list(self._runners.values())
+        for r in runners:
+            r.stop()
+        deadline = time.monotonic() + SHUTDOWN_GRACE_S
+        for r in runners:
+            await asyncio.to_thread(r.join, max(0.0, deadline - time.monotonic()))
+        if self._site_runner is not None:
+            await self._site_runner.cleanup()
+        log.info("stopped")

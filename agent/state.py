@@ -1,0 +1,156 @@
+"""What the agent knows right now: each sampler's latest report, and the timeline.
+
+Samplers' worker threads :meth:`AgentState.publish` a :class:`SamplerReport` per cycle;
+exporters read :meth:`AgentState.samples` (the latest batch of every healthy sampler plus
+the agent's own metrics). A sampler that failed contributes no samples, so its stale values
+never linger: vanished label sets disappear from the exposition by themselves.
+"""
+
+from __future__ import annotations
+
+import platform
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from agent import __version__
+from agent.samples import Batch, Sample, SourceStatus, make_labels
+from agent.timeline import Timeline
+
+
+@dataclass(frozen=True, slots=True)
+class SamplerReport:
+    """The outcome of one sampler cycle.
+
+    Attributes:
+        sampler: the sampler's name (``sampler`` label).
+        ts: Unix time (seconds) when the collection started; the samples' timestamp.
+        duration_s: wall time the collection took, in seconds.
+        ok: False when the collection raised or timed out.
+        reason: short failure reason (``timeout``, the exception type); empty when ok.
+        batch: the samples and source statuses; ``None`` when the collection failed.
+    """
+
+    sampler: str
+    ts: float
+    duration_s: float
+    ok: bool
+    reason: str = ""
+    batch: Batch | None = None
+
+
+@dataclass(slots=True)
+class _Counters:
+    failures: Counter[tuple[str, str]] = field(default_factory=Counter)
+    reloads: Counter[str] = field(default_factory=Counter)
+    unknown_samples: int = 0
+
+
+class AgentState:
+    """The latest report of every sampler, the timeline, and the agent's own counters.
+
+    Thread-safe. Args:
+        timeline: where every successful batch is appended.
+    """
+
+    def __init__(self, timeline: Timeline) -> None:
+        self.timeline = timeline
+        self.started = time.time()
+        self._reports: dict[str, SamplerReport] = {}
+        self._lock = threading.Lock()
+        self._c = _Counters()
+
+    def publish(self, report: SamplerReport) -> None:
+        """Store ``report`` as its sampler's latest and append its samples to the timeline."""
+        with self._lock:
+            self._reports[report.sampler] = report
+            if not report.ok:
+                self._c.failures[(report.sampler, report.reason or "error")] += 1
+        if report.ok and report.batch is not None:
+            self.timeline.append(report.ts, report.batch.samples)
+
+    def remove(self, sampler: str) -> None:
+        """Forget a sampler that was stopped (removed engine, reload)."""
+        with self._lock:
+            self._reports.pop(sampler, None)
+
+    def count_reload(self, result: str) -> None:
+        """Count a SIGHUP reload with ``result`` ``ok`` or ``invalid``."""
+        with self._lock:
+            self._c.reloads[result] += 1
+
+    def count_unknown_sample(self) -> None:
+        """Count a sample the exporter dropped because its name is not in the catalogue."""
+        with self._lock:
+            self._c.unknown_samples += 1
+
+    def reports(self) -> list[SamplerReport]:
+        """Return the latest report of every sampler, sorted by sampler name."""
+        with self._lock:
+            return [self._reports[k] for k in sorted(self._reports)]
+
+    def samples(self) -> Iterator[Sample]:
+        """Yield the latest samples of every healthy sampler, then the agent's own metrics."""
+        reports = self.reports()
+        for r in reports:
+            if r.ok and r.batch is not None:
+                yield from r.batch.samples
+        yield from self._self_samples(reports)
+
+    def _self_samples(self, reports: list[SamplerReport]) -> Iterator[Sample]:
+        yield Sample(
+            "kvpressure_build_info",
+            1.0,
+            make_labels({"version": __version__, "python": platform.python_version()}),
+        )
+        for r in reports:
+            lab = make_labels({"sampler": r.sampler})
+            yield Sample("kvpressure_sampler_up", 1.0 if r.ok else 0.0, lab)
+            yield Sample("kvpressure_sampler_duration_seconds", r.duration_s, lab)
+            if r.batch is not None:
+                yield from _source_samples(r.sampler, r.batch.sources)
+        with self._lock:
+            failures = dict(self._c.failures)
+            reloads = dict(self._c.reloads)
+            unknown = self._c.unknown_samples
+        for (sampler, reason), n in sorted(failures.items()):
+            yield Sample(
+                "kvpressure_sampler_failures_total",
+                float(n),
+                make_labels({"sampler": sampler, "reason": reason}),
+            )
+        for result, n in sorted(reloads.items()):
+            yield Sample(
+                "kvpressure_config_reloads_total", float(n), make_labels({"result": result})
+            )
+        yield Sample("kvpressure_timeline_series", float(len(self.timeline)))
+        yield Sample(
+            "kvpressure_timeline_dropped_samples_total", float(self.timeline.dropped_samples)
+        )
+        yield Sample("kvpressure_exporter_unknown_samples_total", float(unknown))
+
+
+_RANK = {"ok": 0, "unsupported": 1, "error": 2}
+
+
+def _source_samples(sampler: str, sources: list[SourceStatus]) -> Iterator[Sample]:
+    worst: dict[str, SourceStatus] = {}
+    for s in sources:
+        prev = worst.get(s.source)
+        if prev is None or _RANK.get(s.state, 2) > _RANK.get(prev.state, 2):
+            worst[s.source] = s
+    for s in worst.values():
+        if s.state == "unsupported":
+            yield Sample(
+                "kvpressure_source_unsupported",
+                1.0,
+                make_labels({"sampler": sampler, "source": s.source, "reason": s.reason}),
+            )
+        else:
+            yield Sample(
+                "kvpressure_source_up",
+                1.0 if s.state == "ok" else 0.0,
+                make_labels({"sampler": sampler, "source": s.source}),
+            )

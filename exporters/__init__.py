@@ -1,0 +1,1 @@
+"""Exporters render what the core holds; they never call samplers."""

@@ -1,0 +1,96 @@
+"""Prometheus exposition of the agent's latest snapshot.
+
+:class:`SnapshotCollector` is a ``prometheus_client`` custom collector: every scrape builds
+metric families from :meth:`agent.state.AgentState.samples`, typed and documented from the
+catalogue, so label sets that vanished from the snapshot disappear from the exposition
+without bookkeeping. :func:`render` picks the text format or OpenMetrics from the
+``Accept`` header (``prometheus_client.exposition.choose_encoder``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from collections.abc import Iterable, Iterator
+
+from prometheus_client.core import Metric
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from agent.catalogue import CATALOGUE
+from agent.samples import Sample
+from agent.state import AgentState
+
+log = logging.getLogger(__name__)
+
+_PROM_TYPE = {"gauge": "gauge", "counter": "counter", "histogram": "histogram", "info": "gauge"}
+
+
+def families(samples: Iterable[Sample], on_unknown: object = None) -> Iterator[Metric]:
+    """Group ``samples`` into ``prometheus_client`` metric families using the catalogue.
+
+    Args:
+        samples: samples whose names should all be in :data:`agent.catalogue.CATALOGUE`.
+        on_unknown: optional callable invoked once per sample whose name is not in the
+            catalogue; such samples are dropped.
+
+    Yields:
+        One family per catalogue metric that has samples, in catalogue order. Duplicate
+        label sets keep the first sample.
+    """
+    grouped: dict[str, dict[tuple[tuple[str, str], ...], float]] = defaultdict(dict)
+    for s in samples:
+        if s.name not in CATALOGUE:
+            if callable(on_unknown):
+                on_unknown(s)
+            continue
+        grouped[s.name].setdefault(s.labels, s.value)
+    for name, metric in CATALOGUE.items():
+        series = grouped.get(name)
+        if not series:
+            continue
+        typ = _PROM_TYPE[metric.kind]
+        family_name = name.removesuffix("_total") if typ == "counter" else name
+        unit = metric.unit if family_name.endswith("_" + metric.unit) else ""
+        fam = Metric(family_name, metric.help, typ, unit)
+        for labels, value in series.items():
+            fam.add_sample(name, dict(labels), value)
+        yield fam
+
+
+class SnapshotCollector(Collector):
+    """Collector that renders an :class:`AgentState` on every scrape."""
+
+    def __init__(self, state: AgentState) -> None:
+        self._state = state
+        self._warned: set[str] = set()
+
+    def _unknown(self, sample: Sample) -> None:
+        self._state.count_unknown_sample()
+        if sample.name not in self._warned:
+            self._warned.add(sample.name)
+            log.error(
+                "sample name not in the catalogue, dropped", extra={"kv": {"name": sample.name}}
+            )
+
+    def collect(self) -> Iterator[Metric]:
+        """Yield the current snapshot as metric families."""
+        yield from families(self._state.samples(), self._unknown)
+
+
+def make_registry(state: AgentState) -> CollectorRegistry:
+    """Return a registry holding only a :class:`SnapshotCollector` for ``state``."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(SnapshotCollector(state))
+    return registry
+
+
+def render(registry: CollectorRegistry, accept: str | None) -> tuple[bytes, str]:
+    """Render ``registry`` in the format the ``Accept`` header asks for.
+
+    Returns:
+        ``(body, content_type)``: OpenMetrics when ``accept`` names
+        ``application/openmetrics-text``, otherwise the Prometheus text format 0.0.4.
+    """
+    encoder, content_type = choose_encoder(accept or "")
+    return encoder(registry), content_type

@@ -1,0 +1,95 @@
+import subprocess
+import sys
+
+import pytest
+
+from agent import config as c
+
+
+def test_embedded_default_is_valid_and_matches_model_defaults():
+    cfg = c.load_default()
+    assert cfg.listen == "127.0.0.1:9470"
+    assert cfg.interval_s == 1.0
+    assert cfg.discovery.enabled and cfg.discovery.ports == [8000, 8080, 30000, 3000, 8002]
+    assert cfg.discovery.interval_s == 60
+    assert cfg == c.Config()  # the YAML and the model agree
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("engines: [{url: foo}]", "f.yaml: engines[0].url: expected an http(s) URL"),
+        ("engines: [{url: 'http://a:1', type: x}]", "f.yaml: engines[0].type: expected 'auto'"),
+        ("interval_s: 0.01", "f.yaml: interval_s: expected greater than or equal to 0.1"),
+        ("listen: nope", "f.yaml: listen: expected host:port"),
+        ("samplers: {host: {enabld: true}}", "f.yaml: samplers.host.enabld: unknown setting"),
+        ("interval_s: soon", "f.yaml: interval_s: expected a duration"),
+        ("- a\n- b", "f.yaml: (top level): expected a mapping"),
+        ("a: [", "f.yaml: line 1, column 5: invalid YAML"),
+        (
+            "engines: [{url: 'http://a:1'}, {url: 'http://b:2'}]",
+            "engine name 'engine' is used twice",
+        ),
+        (
+            "engines: [{url: 'http://a:1', cgroup: x, unit: y.service}]",
+            "engines[0]: set cgroup or unit, not both",
+        ),
+    ],
+)
+def test_errors_name_file_field_and_expectation(text, expected):
+    with pytest.raises(c.ConfigError) as ei:
+        c.parse(text, "f.yaml")
+    assert expected in str(ei.value)
+
+
+def test_durations_and_engine_labels():
+    cfg = c.parse(
+        "interval_s: 250ms\n"
+        "engines:\n"
+        "  - {url: 'http://127.0.0.1:8000/', type: vllm}\n"
+        "  - {url: 'http://10.0.0.5', name: big, unit: llama.service}\n"
+    )
+    assert cfg.interval_s == 0.25
+    assert cfg.engines[0].label == "vllm"
+    assert cfg.engines[0].instance == "127.0.0.1:8000"
+    assert cfg.engines[0].url == "http://127.0.0.1:8000"
+    assert cfg.engines[1].instance == "10.0.0.5:80"
+    assert cfg.engines[1].label == "big"
+
+
+def test_empty_file_means_defaults(tmp_path):
+    p = tmp_path / "empty.yaml"
+    p.write_text("")
+    assert c.load(p) == c.Config()
+
+
+def test_unreadable_file(tmp_path):
+    with pytest.raises(c.ConfigError, match="cannot read"):
+        c.load(tmp_path / "missing.yaml")
+
+
+def _cli(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "agent.cli", *args], capture_output=True, text=True, check=False
+    )
+
+
+def test_check_config_cli_exit_codes(tmp_path):
+    good = tmp_path / "good.yaml"
+    good.write_text("engines: [{url: 'http://127.0.0.1:8080', type: llamacpp}]\n")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("interval_s: -1\n")
+    r = _cli("check-config", str(good))
+    assert r.returncode == 0, r.stderr
+    assert "ok" in r.stdout
+    r = _cli("check-config", str(bad))
+    assert r.returncode == 1
+    assert f"{bad}: interval_s: expected greater than or equal to 0.1" in r.stderr
+
+
+def test_default_config_cli_round_trips(tmp_path):
+    r = _cli("default-config")
+    assert r.returncode == 0
+    p = tmp_path / "d.yaml"
+    p.write_text(r.stdout)
+    assert c.load(p) == c.Config()

@@ -1,0 +1,188 @@
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from agent.config import parse
+from agent.daemon import Daemon, SamplerRunner
+from agent.samplers.base import Sampler
+from agent.samples import Batch
+from agent.state import AgentState
+from agent.timeline import Timeline
+
+QUIET = (
+    "samplers: {host: {enabled: false}, engines: {enabled: false}}\ndiscovery: {enabled: false}\n"
+)
+
+
+class Counting(Sampler):
+    """A sampler that counts its calls; optionally sleeps or raises."""
+
+    def __init__(self, name, interval_s=0.05, timeout_s=None, sleep_s=0.0, fail=False):
+        super().__init__(interval_s, timeout_s)
+        self.name = name
+        self.sleep_s = sleep_s
+        self.fail = fail
+        self.calls = 0
+
+    def collect(self, batch: Batch) -> None:
+        self.calls += 1
+        if self.sleep_s:
+            time.sleep(self.sleep_s)
+        if self.fail:
+            raise RuntimeError("boom")
+        batch.add("kvpressure_host_memory_total_bytes", 1.0)
+        batch.source_ok("fake")
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_slow_sampler_times_out_without_delaying_others():
+    state = AgentState(Timeline())
+    slow = SamplerRunner(Counting("slow", interval_s=0.1, timeout_s=0.2, sleep_s=1.0), state, 1)
+    fast = SamplerRunner(Counting("fast", interval_s=0.05), state, 2)
+    slow.start()
+    fast.start()
+    t_end = time.monotonic() + 0.8
+    while time.monotonic() < t_end:
+        now = time.monotonic()
+        slow.check_timeout(now)
+        fast.check_timeout(now)
+        time.sleep(0.02)
+    reports = {r.sampler: r for r in state.reports()}
+    assert reports["slow"].ok is False and reports["slow"].reason == "timeout"
+    assert reports["fast"].ok is True
+    assert fast.sampler.calls >= 10  # ~16 expected at 20 Hz
+    assert slow.sampler.calls == 1  # never piled up behind the stuck call
+    slow.stop()
+    fast.stop()
+
+
+def test_failing_sampler_is_down_and_counted_others_unaffected():
+    state = AgentState(Timeline())
+    bad = SamplerRunner(Counting("bad", fail=True), state, 1)
+    good = SamplerRunner(Counting("good"), state, 2)
+    state.publish(bad.collect_once())
+    state.publish(bad.collect_once())
+    state.publish(good.collect_once())
+    values = {(s.name, s.labels): s.value for s in state.samples()}
+    assert values[("kvpressure_sampler_up", (("sampler", "bad"),))] == 0.0
+    assert values[("kvpressure_sampler_up", (("sampler", "good"),))] == 1.0
+    assert (
+        values[
+            ("kvpressure_sampler_failures_total", (("reason", "RuntimeError"), ("sampler", "bad")))
+        ]
+        == 2.0
+    )
+    assert values[("kvpressure_source_up", (("sampler", "good"), ("source", "fake")))] == 1.0
+
+
+def _run_daemon(daemon):
+    """Run daemon.run() on a background loop; return (loop, thread)."""
+    loop = asyncio.new_event_loop()
+    ready = threading.Event()
+
+    def main():
+        asyncio.set_event_loop(loop)
+        loop.run_until_complete(daemon.run(ready=ready.set))
+
+    t = threading.Thread(target=main, daemon=True)
+    t.start()
+    assert ready.wait(5)
+    return loop, t
+
+
+def test_http_endpoints_and_format_negotiation():
+    cfg = parse(f"listen: '127.0.0.1:0'\n{QUIET}")
+    d = Daemon(cfg, extra_samplers=[Counting("fake", interval_s=0.05)])
+    loop, t = _run_daemon(d)
+    try:
+        base = f"http://127.0.0.1:{d.bound_port}"
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline:
+            body = httpx.get(base + "/metrics").text
+            if "kvpressure_host_memory_total_bytes" in body:
+                break
+            time.sleep(0.05)
+        r = httpx.get(base + "/metrics")
+        assert r.headers["content-type"].startswith("text/plain; version=0.0.4")
+        fams = {f.name: f for f in text_string_to_metric_families(r.text)}
+        assert fams["kvpressure_sampler_up"].samples[0].labels == {"sampler": "fake"}
+        assert fams["kvpressure_host_memory_total_bytes"].samples[0].value == 1.0
+        om = httpx.get(base + "/metrics", headers={"Accept": "application/openmetrics-text"})
+        assert om.headers["content-type"].startswith("application/openmetrics-text")
+        assert om.text.rstrip().endswith("# EOF")
+        assert httpx.get(base + "/healthz").json()["status"] == "ok"
+        snap = httpx.get(base + "/api/v1/snapshot").json()
+        assert snap["samplers"][0]["sampler"] == "fake"
+        assert any(s["name"] == "kvpressure_host_memory_total_bytes" for s in snap["samples"])
+    finally:
+        loop.call_soon_threadsafe(d.request_stop)
+        t.join(5)
+    assert not t.is_alive()
+
+
+def test_reload_rejects_invalid_file_and_keeps_running(tmp_path):
+    p = tmp_path / "k.yaml"
+    p.write_text(f"listen: '127.0.0.1:0'\n{QUIET}log_level: info\n")
+    d = Daemon(parse(p.read_text(), str(p)), p)
+    p.write_text("interval_s: [\n")
+    assert d.reload() is False
+    assert d.config.log_level == "info"
+    p.write_text(f"listen: '127.0.0.1:0'\n{QUIET}log_level: debug\n")
+    assert d.reload() is True
+    assert d.config.log_level == "debug"
+    values = {(s.name, s.labels): s.value for s in d.state.samples()}
+    assert values[("kvpressure_config_reloads_total", (("result", "invalid"),))] == 1
+    assert values[("kvpressure_config_reloads_total", (("result", "ok"),))] == 1
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_stops_the_process_within_two_seconds(tmp_path, sig):
+    port = _free_port()
+    cfg = tmp_path / "k.yaml"
+    cfg.write_text(f"listen: '127.0.0.1:{port}'\ndiscovery: {{enabled: false}}\n")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "agent.cli", "run", "--config", str(cfg)],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=0.5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.05)
+        else:
+            pytest.fail("agent did not come up")
+        # SIGHUP with an invalid file: rejected, still serving
+        cfg.write_text("listen: [\n")
+        os.kill(proc.pid, signal.SIGHUP)
+        time.sleep(0.3)
+        assert httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200
+        t0 = time.monotonic()
+        proc.send_signal(sig)
+        rc = proc.wait(timeout=5)
+        elapsed = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    err = proc.stderr.read()
+    assert rc == 0, err
+    assert elapsed < 2.0, f"shutdown took {elapsed:.2f}s"
+    assert "config reload rejected" in err
+    assert all(line.startswith("ts=") for line in err.strip().splitlines()), err
