@@ -18,6 +18,7 @@ from typing import Literal
 Kind = Literal["gauge", "counter", "histogram", "info"]
 
 ENGINE_LABELS = ("engine", "instance", "model")
+GPU_LABELS = ("gpu", "uuid", "mig")
 
 
 @dataclass(frozen=True, slots=True)
@@ -371,6 +372,187 @@ _ALL: tuple[Metric, ...] = (
         ("tier", "node", "state"),
         "",
         "host",
+    ),
+    # --- GPU (NVML) ---------------------------------------------------------------------
+    _m(
+        "kvpressure_gpu_up",
+        "gauge",
+        "1",
+        "1 when the GPU answered NVML this cycle; 0 when lost, timed out or the driver is "
+        "unavailable (reason in kvpressure_source_up / logs).",
+        GPU_LABELS,
+        "",
+        "gpu",
+    ),
+    _m(
+        "kvpressure_gpu_info",
+        "info",
+        "1",
+        "GPU identity: product name, driver and NVML versions, unified-memory flag; always 1.",
+        (*GPU_LABELS, "name", "driver_version", "unified_memory"),
+        "",
+        "gpu",
+    ),
+    _m(
+        "kvpressure_gpu_memory_total_bytes",
+        "gauge",
+        "bytes",
+        "Device memory total (nvmlDeviceGetMemoryInfo_v2 total, v1 fallback). Absent where NVML "
+        "reports memory as unsupported (unified-memory parts such as GB10).",
+        GPU_LABELS,
+        "hw.gpu.memory.limit",
+        "gpu",
+    ),
+    _m(
+        "kvpressure_gpu_memory_used_bytes",
+        "gauge",
+        "bytes",
+        "Device memory used (nvmlDeviceGetMemoryInfo_v2 used).",
+        GPU_LABELS,
+        "hw.gpu.memory.usage",
+        "gpu",
+    ),
+    _m(
+        "kvpressure_gpu_memory_reserved_bytes",
+        "gauge",
+        "bytes",
+        "Device memory reserved by the driver (nvmlMemory_v2 reserved; absent with v1).",
+        GPU_LABELS,
+        "",
+        "gpu",
+    ),
+    _m(
+        "kvpressure_gpu_memory_free_bytes",
+        "gauge",
+        "bytes",
+        "Device memory free (nvmlDeviceGetMemoryInfo_v2 free).",
+        GPU_LABELS,
+        "",
+        "gpu",
+    ),
+    _m(
+        "kvpressure_gpu_utilization_ratio",
+        "gauge",
+        "ratio",
+        "Share of the last sample period a kernel was running (nvmlDeviceGetUtilizationRates "
+        "gpu / 100). Absent on MIG instances, where NVML does not report it.",
+        GPU_LABELS,
+        "hw.gpu.utilization",
+        "gpu",
+    ),
+    _m(
+        "kvpressure_gpu_memory_bandwidth_utilization_ratio",
+        "gauge",
+        "ratio",
+        "Memory-bandwidth utilization: GPM DRAM_BW_UTIL on Hopper and newer (source=gpm), "
+        "else nvmlDeviceGetUtilizationRates memory / 100 (source=nvml).",
+        (*GPU_LABELS, "source"),
+        "",
+        "gpu",
+    ),
+    _m(
+        "kvpressure_gpu_sm_occupancy_ratio",
+        "gauge",
+        "ratio",
+        "SM occupancy from GPM (NVML_GPM_METRIC_SM_OCCUPANCY / 100); absent without GPM.",
+        GPU_LABELS,
+        "",
+        "gpu",
+    ),
+    _m(
+        "kvpressure_gpu_pcie_bytes_total",
+        "counter",
+        "bytes",
+        "PCIe bytes by direction (rx, tx), accumulated from NVML PCIe throughput field values.",
+        (*GPU_LABELS, "direction"),
+        "hw.gpu.io",
+        "gpu",
+    ),
+    _m(
+        "kvpressure_gpu_nvlink_bytes_total",
+        "counter",
+        "bytes",
+        "NVLink bytes by direction (rx, tx), from NVML NVLink throughput field values.",
+        (*GPU_LABELS, "direction"),
+        "",
+        "gpu",
+    ),
+    _m(
+        "kvpressure_gpu_clock_event_active",
+        "gauge",
+        "1",
+        "1 while an NVML clocks event reason is active (sw_power_cap, hw_slowdown, "
+        "sw_thermal_slowdown, hw_thermal_slowdown, hw_power_brake_slowdown, sync_boost, "
+        "idle, applications_clocks_setting, display_clock_setting), else 0.",
+        (*GPU_LABELS, "reason"),
+        "",
+        "gpu",
+    ),
+    _m(
+        "kvpressure_gpu_power_watts",
+        "gauge",
+        "watts",
+        "Power draw (nvmlDeviceGetPowerUsage, mW / 1000).",
+        GPU_LABELS,
+        "hw.gpu.power",
+        "gpu",
+    ),
+    _m(
+        "kvpressure_gpu_temperature_celsius",
+        "gauge",
+        "celsius",
+        "GPU die temperature (nvmlDeviceGetTemperature).",
+        GPU_LABELS,
+        "hw.gpu.temperature",
+        "gpu",
+    ),
+    _m(
+        "kvpressure_gpu_process_memory_bytes",
+        "gauge",
+        "bytes",
+        "GPU memory held by a process (nvmlDeviceGetComputeRunningProcesses), joined to the "
+        "engine the agent knows at that PID.",
+        (*GPU_LABELS, "pid", "process", "engine"),
+        "",
+        "gpu",
+    ),
+    _m(
+        "kvpressure_gpu_xid_errors_total",
+        "counter",
+        "1",
+        "XID errors seen through NVML events, by XID code.",
+        (*GPU_LABELS, "xid"),
+        "",
+        "gpu",
+    ),
+    _m(
+        "kvpressure_accelerator_stall_seconds_total",
+        "counter",
+        "seconds",
+        "Seconds the GPU had requests running or waiting but did no useful compute, by reason "
+        "(idle_with_queue, memory_bound, throttled); formula in the README.",
+        (*GPU_LABELS, "reason"),
+        "",
+        "gpu",
+    ),
+    _m(
+        "kvpressure_data_movement_bytes_per_token",
+        "gauge",
+        "bytes",
+        "PCIe + NVLink bytes moved per token processed by the engines on the GPU, over the "
+        "data-movement window.",
+        GPU_LABELS,
+        "",
+        "gpu",
+    ),
+    _m(
+        "kvpressure_tokens_per_byte",
+        "gauge",
+        "1",
+        "Tokens processed over the window divided by the mean GPU memory in use.",
+        GPU_LABELS,
+        "",
+        "gpu",
     ),
     # --- engines ------------------------------------------------------------------------
     _m(

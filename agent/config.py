@@ -68,6 +68,28 @@ class SamplersConfig(_Model):
 
     host: SamplerToggle = SamplerToggle()
     engines: SamplerToggle = SamplerToggle()
+    gpu: SamplerToggle = SamplerToggle()
+
+
+class GpuConfig(_Model):
+    """The GPU sampler's NVML binding and accelerator-stall thresholds.
+
+    Attributes:
+        binding: ``nvml`` (the real library from nvidia-ml-py) or ``fake:<profile>`` (a
+            recorded-behaviour fake for tests and demos, e.g. ``fake:h200``).
+        idle_utilization_below: a GPU whose utilization ratio is below this while its
+            engine has requests waiting is stalled ``idle_with_queue``.
+        memory_bound_bandwidth_above: bandwidth utilization ratio above which, with SM
+            occupancy below ``memory_bound_sm_below``, the GPU is stalled ``memory_bound``.
+        memory_bound_sm_below: see above.
+        data_movement_window_s: window for bytes-per-token and tokens-per-byte.
+    """
+
+    binding: str = Field(default="nvml", pattern=r"^(nvml|fake:[a-z0-9_.-]+)$")
+    idle_utilization_below: float = Field(default=0.10, ge=0, le=1)
+    memory_bound_bandwidth_above: float = Field(default=0.60, ge=0, le=1)
+    memory_bound_sm_below: float = Field(default=0.30, ge=0, le=1)
+    data_movement_window_s: Seconds = Field(default=30.0, ge=1, le=3600)
 
 
 class EngineConfig(_Model):
@@ -143,6 +165,7 @@ class Config(_Model):
     engines: list[EngineConfig] = []
     discovery: DiscoveryConfig = DiscoveryConfig()
     timeline: TimelineConfig = TimelineConfig()
+    gpu: GpuConfig = GpuConfig()
 
     @field_validator("listen")
     @classmethod
