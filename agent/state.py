@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from agent import __version__
-from agent.samples import Batch, Sample, SourceStatus, make_labels
+from agent.samples import Batch, Labels, Sample, SourceStatus, make_labels
 from agent.timeline import Timeline
 
 
@@ -90,6 +90,20 @@ class AgentState:
         """Return the latest report of every sampler, sorted by sampler name."""
         with self._lock:
             return [self._reports[k] for k in sorted(self._reports)]
+
+    def latest(self, name: str) -> dict[Labels, float]:
+        """Return the current value of every series of ``name`` from the latest batches.
+
+        Used by derived computations (accelerator stall time, capacity) that combine what
+        several samplers saw; only healthy samplers' latest batches are read.
+        """
+        out: dict[Labels, float] = {}
+        for r in self.reports():
+            if r.ok and r.batch is not None:
+                for s in r.batch.samples:
+                    if s.name == name:
+                        out.setdefault(s.labels, s.value)
+        return out
 
     def samples(self) -> Iterator[Sample]:
         """Yield the latest samples of every healthy sampler, then the agent's own metrics."""
