@@ -750,3 +750,24 @@ def markdown_table() -> str:
         labels = ", ".join(m.labels) or "-"
         rows.append(f"| `{m.name}` | {m.kind} | {m.unit} | {labels} | {m.help} |")
     return "\n".join(rows)
+
+
+def update_readme(path: str) -> bool:
+    """Rewrite the metric table between the README's markers; True when it changed."""
+    from pathlib import Path
+
+    p = Path(path)
+    text = p.read_text(encoding="utf-8")
+    begin, end = "<!-- metrics:begin -->", "<!-- metrics:end -->"
+    head, rest = text.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    new = f"{head}{begin}\n{markdown_table()}\n{end}{tail}"
+    if new != text:
+        p.write_text(new, encoding="utf-8")
+    return new != text
+
+
+if __name__ == "__main__":  # python -m agent.catalogue README.md
+    import sys
+
+    print("updated" if update_readme(sys.argv[1]) else "unchanged")
