@@ -30,6 +30,7 @@ from agent.api import make_app
 from agent.config import Config, ConfigError, EngineConfig, load
 from agent.samplers.base import Sampler
 from agent.samples import Batch
+from agent.sdnotify import Notifier
 from agent.state import AgentState, SamplerReport
 from agent.timeline import Timeline
 from exporters.prometheus import make_registry
@@ -180,6 +181,7 @@ class Daemon:
         self._site_runner: web.AppRunner | None = None
         self._listen: str | None = None
         self.bound_port: int | None = None
+        self.notifier = Notifier()
 
     # ---- sampler set ---------------------------------------------------------------
     def _desired(self, cfg: Config) -> dict[str, tuple[object, Callable[[], Sampler]]]:
@@ -352,23 +354,58 @@ class Daemon:
             loop.add_signal_handler(signal.SIGHUP, self._on_hup)
         await self._serve(self.config.listen_host, self.config.listen_port)
         self._apply(self.config)
-        tasks = [asyncio.create_task(self._discovery_loop()), asyncio.create_task(self._watchdog())]
+        tasks = [
+            asyncio.create_task(self._discovery_loop()),
+            asyncio.create_task(self._watchdog()),
+            asyncio.create_task(self._systemd_loop()),
+        ]
+        self.notifier.ready(self._status_line())
         if ready:
             ready()
         try:
             await self._stopping.wait()
         finally:
             log.info("shutting down")
+            self.notifier.stopping()
             for t in tasks:
                 t.cancel()
             await self._shutdown()
 
     def _on_hup(self) -> None:
         listen = self.config.listen
+        self.notifier.reloading()
         if self.reload() and self.config.listen != listen:
             asyncio.get_running_loop().create_task(
                 self._serve(self.config.listen_host, self.config.listen_port)
             )
+        self.notifier.ready(self._status_line())
+
+    def _status_line(self) -> str:
+        reports = self.state.reports()
+        up = sum(1 for r in reports if r.ok)
+        return f"listening on {self._listen}; {up}/{len(self._runners)} samplers up"
+
+    async def _systemd_loop(self) -> None:
+        """Send WATCHDOG=1 at half of WatchdogSec, and a STATUS= line every 10 s.
+
+        The ping is skipped while every sampler is timed out, so systemd restarts an agent
+        whose samplers are all wedged (a hung driver call) rather than one that is merely
+        busy.
+        """
+        if not self.notifier.enabled:
+            return
+        interval = self.notifier.watchdog_interval_s or 10.0
+        last_status = 0.0
+        while True:
+            reports = self.state.reports()
+            all_stuck = bool(reports) and all(r.reason == "timeout" for r in reports)
+            if self.notifier.watchdog_interval_s and not all_stuck:
+                self.notifier.watchdog()
+            now = time.monotonic()
+            if now - last_status >= 10.0:
+                self.notifier.status(self._status_line())
+                last_status = now
+            await asyncio.sleep(min(interval, 10.0))
 
     def request_stop(self) -> None:
         """Ask :meth:`run` to return (thread-safe only from the loop's thread)."""
@@ -391,4 +428,5 @@ class Daemon:
             await asyncio.to_thread(r.join, max(0.0, deadline - time.monotonic()))
         if self._site_runner is not None:
             await self._site_runner.cleanup()
+        self.notifier.close()
         log.info("stopped")

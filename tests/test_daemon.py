@@ -186,3 +186,42 @@ def test_signal_stops_the_process_within_two_seconds(tmp_path, sig):
     assert elapsed < 2.0, f"shutdown took {elapsed:.2f}s"
     assert "config reload rejected" in err
     assert all(line.startswith("ts=") for line in err.strip().splitlines()), err
+
+
+def test_systemd_notify_ready_and_watchdog(tmp_path):
+    sock_path = str(tmp_path / "notify.sock")
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    srv.bind(sock_path)
+    srv.settimeout(5)
+    port = _free_port()
+    cfg = tmp_path / "k.yaml"
+    cfg.write_text(f"listen: '127.0.0.1:{port}'\n{QUIET}")
+    env = dict(os.environ, NOTIFY_SOCKET=sock_path, WATCHDOG_USEC="400000")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "agent.cli", "run", "--config", str(cfg)],
+        env=env,
+        stderr=subprocess.DEVNULL,
+    )
+    got = []
+    try:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and sum("WATCHDOG=1" in m for m in got) < 3:
+            got.append(srv.recv(4096).decode())
+        proc.send_signal(signal.SIGHUP)
+        while time.monotonic() < deadline and not any("RELOADING=1" in m for m in got):
+            got.append(srv.recv(4096).decode())
+        proc.terminate()
+        while time.monotonic() < deadline and not any("STOPPING=1" in m for m in got):
+            got.append(srv.recv(4096).decode())
+        proc.wait(5)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        srv.close()
+    ready = [m for m in got if "READY=1" in m]
+    assert ready, got
+    assert f"listening on 127.0.0.1:{port}" in ready[0]
+    assert sum("WATCHDOG=1" in m for m in got) >= 3
+    assert got.index(ready[0]) < next(i for i, m in enumerate(got) if "WATCHDOG=1" in m)
+    assert any(m.startswith("RELOADING=1\nMONOTONIC_USEC=") for m in got)
+    assert any("STOPPING=1" in m for m in got)
