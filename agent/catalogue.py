@@ -138,8 +138,8 @@ _ALL: tuple[Metric, ...] = (
         "kvpressure_host_memory_available_bytes",
         "gauge",
         "bytes",
-        "Effective available memory: MemAvailable, or cgroup limit minus cgroup usage when a "
-        "cgroup limit is lower.",
+        "Effective available memory: MemAvailable, or min(cgroup limit - usage of the limiting "
+        "cgroup, MemAvailable) when a cgroup limit is below MemTotal.",
         (),
         "system.memory.available",
         "host",
@@ -222,6 +222,16 @@ _ALL: tuple[Metric, ...] = (
         "counter",
         "pages",
         "Pages swapped out (/proc/vmstat pswpout).",
+        (),
+        "",
+        "host",
+    ),
+    _m(
+        "kvpressure_host_allocstalls_total",
+        "counter",
+        "1",
+        "Direct-reclaim stalls: sum of /proc/vmstat allocstall_* (the memory-pressure "
+        "fallback where PSI is unavailable).",
         (),
         "",
         "host",
@@ -368,7 +378,8 @@ _ALL: tuple[Metric, ...] = (
         "gauge",
         "bytes",
         "Memory per tier: tier=dram (NUMA node with CPUs), cxl (CPU-less NUMA node), swap; "
-        "state=total|used|free. From /sys/devices/system/node/node*/meminfo and /proc/meminfo.",
+        "state=total|used|free. From /sys/devices/system/node/node*/meminfo and /proc/meminfo; "
+        "node is absent for swap, and for dram when there is no NUMA sysfs.",
         ("tier", "node", "state"),
         "",
         "host",

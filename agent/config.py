@@ -177,7 +177,7 @@ class Config(_Model):
 
     @model_validator(mode="after")
     def _unique_names(self) -> Config:
-        seen: set[str] = set()
+        seen: set[str] = {"system"}  # "system" is the PSI scope of the whole host
         for i, e in enumerate(self.engines):
             if e.label in seen:
                 raise ValueError(f"engines[{i}]: engine name {e.label!r} is used twice; set name")
