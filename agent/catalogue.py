@@ -627,8 +627,8 @@ _ALL: tuple[Metric, ...] = (
         "kvpressure_engine_kv_cache_used_tokens",
         "gauge",
         "tokens",
-        "KV-cache tokens in use, where the engine lets us derive them (llama.cpp: prompt plus "
-        "decoded tokens of each processing slot, from /slots).",
+        "KV-cache tokens in use, where the engine lets us derive them (llama.cpp: n_prompt_tokens "
+        "of each processing slot, generated tokens included, from /slots).",
         ENGINE_LABELS,
         "",
         "engine",
@@ -702,7 +702,8 @@ _ALL: tuple[Metric, ...] = (
         "kvpressure_engine_prompt_tokens_total",
         "counter",
         "tokens",
-        "Prompt (prefill) tokens computed by the engine.",
+        "Prompt tokens as the engine counts them (vLLM: prefix-cache hits included; llama.cpp: "
+        "computed tokens only).",
         ENGINE_LABELS,
         "gen_ai.server.usage.input_tokens",
         "engine",

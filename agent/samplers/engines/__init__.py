@@ -1,0 +1,72 @@
+"""Inference-engine samplers: scrape an engine's metrics and map them to the catalogue.
+
+Layout:
+
+* :mod:`.exposition`: fetch-independent parsing and response classification;
+* :mod:`.normalize`: the one normalizer, driven by per-engine :class:`EngineMapping` tables;
+* :mod:`.vllm`, :mod:`.llamacpp`: the mappings implemented so far;
+* :mod:`.registry`: :data:`ENGINE_TYPES`, re-exported here;
+* :mod:`.base`: :class:`EngineSampler`, :func:`probe`, :func:`engine_type_from_families`.
+
+``sglang``, ``tgi``, ``trtllm`` and ``triton`` are recognised by auto-detection, but their
+samplers emit only ``kvpressure_engine_up`` and ``kvpressure_engine_info`` until their
+mapping lands (one mapping module plus fixtures each).
+"""
+
+from __future__ import annotations
+
+import httpx
+
+from agent.samplers.engines.base import (
+    AUTO,
+    EngineSampler,
+    engine_type_from_families,
+    probe,
+)
+from agent.samplers.engines.normalize import EngineMapping, Rule
+from agent.samplers.engines.registry import ENGINE_TYPES
+
+__all__ = [
+    "AUTO",
+    "ENGINE_TYPES",
+    "EngineMapping",
+    "EngineSampler",
+    "Rule",
+    "engine_type_from_families",
+    "make_engine_sampler",
+    "probe",
+]
+
+
+def make_engine_sampler(
+    name: str,
+    url: str,
+    engine_type: str = AUTO,
+    interval_s: float = 1.0,
+    timeout_s: float | None = None,
+    transport: httpx.BaseTransport | None = None,
+) -> EngineSampler:
+    """Build the sampler for one configured engine endpoint.
+
+    Args:
+        name: the engine's configured name (the ``engine`` label).
+        url: its base URL, e.g. ``http://127.0.0.1:8000``.
+        engine_type: a key of :data:`ENGINE_TYPES` or ``"auto"``.
+        interval_s: seconds between collections.
+        timeout_s: collection budget in seconds (default ``max(interval_s, 2.0)``).
+        transport: optional ``httpx`` transport (tests).
+
+    Returns:
+        An :class:`EngineSampler`.
+
+    Raises:
+        ValueError: ``engine_type`` is unknown.
+    """
+    return EngineSampler(
+        name,
+        url,
+        engine_type=engine_type,
+        interval_s=interval_s,
+        timeout_s=timeout_s,
+        transport=transport,
+    )

@@ -1,0 +1,368 @@
+"""The engine sampler: scrape an inference engine's metrics and normalize them.
+
+One :class:`EngineSampler` per configured engine endpoint. Each cycle it GETs the metrics
+path, classifies and parses the response (:mod:`~agent.samplers.engines.exposition`),
+resolves the engine type (``auto``: from metric-name prefixes, kept once known), applies
+the type's mapping (:mod:`~agent.samplers.engines.normalize`) and runs the type's add-on
+(llama.cpp ``/slots``). Every cycle emits, whatever happened:
+
+* ``kvpressure_engine_up{engine,instance}``: 1 when the endpoint answered with usable
+  exposition (an empty 2xx body included), 0 otherwise;
+* ``kvpressure_engine_scrape_samples``, ``kvpressure_engine_parse_errors_total``
+  (cumulative), ``kvpressure_engine_restarts_total``;
+* ``kvpressure_engine_info{engine,instance,type,model}`` (``type="unknown"`` until known).
+
+An engine that is down is data, not a sampler failure: :meth:`EngineSampler.collect` does
+not raise for HTTP errors, refused connections, timeouts, JSON or garbage; it records
+``batch.source_error("metrics", reason)`` with reason ``http_<code>``, ``connect``,
+``timeout``, ``not_exposition``, ``empty``, ``too_large`` or ``transport``, logs the
+reason (once per change) and the first 200 bytes of a bad body (once, at debug), and emits
+no KV or queue samples, so a down engine never reads as an idle one.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterable
+from typing import Final
+
+import httpx
+
+from agent.samplers.base import LogOnce, Sampler
+from agent.samplers.engines.exposition import (
+    REASON_EMPTY,
+    ParseResult,
+    classify_response,
+    failed,
+)
+from agent.samplers.engines.http import Fetch, HttpResult, http_get
+from agent.samplers.engines.normalize import (
+    AddonContext,
+    EngineAddon,
+    EngineMapping,
+    Normalizer,
+)
+from agent.samplers.engines.registry import DETECTION_FALLBACK, ENGINE_TYPES
+from agent.samples import Batch
+
+log = logging.getLogger(__name__)
+
+AUTO: Final = "auto"
+DEFAULT_METRICS_PATH: Final = "/metrics"
+KV_RATIO: Final = "kvpressure_engine_kv_cache_usage_ratio"
+_ACCEPT: Final = "text/plain;version=0.0.4;q=1.0, application/openmetrics-text;q=0.5, */*;q=0.1"
+_BODY_LOG_BYTES: Final = 200
+
+
+def engine_type_from_families(names: Iterable[str]) -> str | None:
+    """Detect the engine type from metric family names.
+
+    Prefixes (see ``ENGINE_TYPES``): ``vllm:``/``vllm_``, ``llamacpp:``/``llamacpp_``,
+    ``sglang:``/``sglang_``, ``tgi_``, ``trtllm_``/``nv_trt_llm_`` (TensorRT-LLM, also under
+    Triton), ``nv_inference_`` (Triton, only when no engine prefix is present).
+
+    Args:
+        names: family (or sample) names from one scrape.
+
+    Returns:
+        The type whose prefixes match the most names (ties go to the order of
+        ``ENGINE_TYPES``), or ``None`` when no name matches.
+    """
+    order = list(ENGINE_TYPES)
+    counts = dict.fromkeys(order, 0)
+    for name in names:
+        for etype, mapping in ENGINE_TYPES.items():
+            if name.startswith(mapping.prefixes):
+                counts[etype] += 1
+                break
+    primary = {t: c for t, c in counts.items() if c and t not in DETECTION_FALLBACK}
+    candidates = primary or {t: c for t, c in counts.items() if c}
+    if not candidates:
+        return None
+    return max(candidates, key=lambda t: (candidates[t], -order.index(t)))
+
+
+def base_url(url: str) -> str:
+    """Normalize an engine URL to its base: scheme added, trailing ``/`` and ``/metrics`` cut.
+
+    Args:
+        url: e.g. ``"127.0.0.1:8080"``, ``"http://h:8000/"`` or ``"http://h:8000/metrics"``.
+
+    Returns:
+        e.g. ``"http://h:8000"``.
+    """
+    url = url.strip()
+    if "://" not in url:
+        url = "http://" + url
+    url = url.rstrip("/")
+    url = url.removesuffix(DEFAULT_METRICS_PATH)
+    return url.rstrip("/")
+
+
+def instance_of(url: str) -> str:
+    """Return the ``instance`` label (``host:port``) of an engine URL.
+
+    Args:
+        url: an absolute URL; a missing port is the scheme's default (80/443).
+
+    Returns:
+        ``host:port``, IPv6 hosts in brackets; the raw URL when it cannot be parsed.
+    """
+    try:
+        parsed = httpx.URL(url)
+    except (httpx.InvalidURL, TypeError, ValueError):
+        return url
+    host = parsed.host or ""
+    if ":" in host:
+        host = f"[{host}]"
+    port = parsed.port or (443 if parsed.scheme == "https" else 80)
+    return f"{host}:{port}"
+
+
+def probe(url: str, timeout_s: float = 0.5) -> str | None:
+    """Ask ``url`` for its metrics and say which engine it is, for auto-discovery.
+
+    Args:
+        url: the engine's base URL (``/metrics`` is appended unless present).
+        timeout_s: seconds for each phase of the one GET.
+
+    Returns:
+        The detected engine type (see :func:`engine_type_from_families`), or ``None``
+        when the endpoint does not answer with exposition or no prefix matches. Never
+        raises.
+    """
+    try:
+        with httpx.Client(headers={"Accept": _ACCEPT}) as client:
+            res = http_get(client, base_url(url) + DEFAULT_METRICS_PATH, timeout_s)
+        if res.reason or res.status is None:
+            return None
+        result = classify_response(res.status, res.content_type, res.body)
+        return engine_type_from_families(result.family_names()) if result.families else None
+    except Exception:  # discovery must never fail loudly
+        log.debug("probe of %s failed", url, exc_info=True)
+        return None
+
+
+class EngineSampler(Sampler):
+    """Scrapes one inference engine endpoint and emits the ``kvpressure_engine_*`` metrics.
+
+    Args:
+        name: the configured engine name; the ``engine`` label, and the sampler is named
+            ``engine:<name>``.
+        url: the engine's base URL (``http://host:port``; a trailing ``/metrics`` is cut).
+        engine_type: one of ``ENGINE_TYPES`` or ``"auto"`` (detected from metric prefixes
+            on the first usable scrape, then kept).
+        interval_s: seconds between collections.
+        timeout_s: the whole collection's budget in seconds (HTTP requests of one cycle
+            share 90% of it); default ``max(interval_s, 2.0)``.
+        transport: an ``httpx`` transport (tests inject ``httpx.MockTransport``).
+
+    Raises:
+        ValueError: ``engine_type`` is neither ``"auto"`` nor a known type.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        url: str,
+        engine_type: str = AUTO,
+        interval_s: float = 1.0,
+        timeout_s: float | None = None,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        super().__init__(interval_s=interval_s, timeout_s=timeout_s)
+        if engine_type != AUTO and engine_type not in ENGINE_TYPES:
+            known = ", ".join([AUTO, *ENGINE_TYPES])
+            raise ValueError(f"unknown engine type {engine_type!r}; expected one of {known}")
+        self.name = f"engine:{name}"
+        self.engine = name
+        self.url = base_url(url)
+        self.instance = instance_of(self.url)
+        self.engine_type = engine_type
+        self._client = httpx.Client(
+            transport=transport, headers={"Accept": _ACCEPT}, follow_redirects=True
+        )
+        self._lock = threading.Lock()
+        self._log = LogOnce(log)
+        self._type: str | None = None
+        self._normalizer: Normalizer | None = None
+        self._addon: EngineAddon | None = None
+        self._parse_errors = 0
+        self._models: list[str] = []
+        self._failing = ""
+        if engine_type != AUTO:
+            self._set_type(engine_type)
+
+    @property
+    def detected_type(self) -> str | None:
+        """The engine type in use (configured, or detected), ``None`` while unknown."""
+        return self._type
+
+    @property
+    def restarts(self) -> int:
+        """Engine restarts seen so far."""
+        return self._normalizer.restarts if self._normalizer else 0
+
+    def collect(self, batch: Batch) -> None:
+        """Scrape the engine once and fill ``batch``.
+
+        Args:
+            batch: the batch to fill (see the module docstring for what goes in).
+
+        Never raises for engine-side failures; those are ``source_error("metrics", ...)``
+        with ``kvpressure_engine_up 0``.
+        """
+        if not self._lock.acquire(timeout=self.timeout_s):
+            batch.source_error("metrics", "busy")  # the previous cycle is still running
+            return
+        try:
+            self._collect(batch)
+        finally:
+            self._lock.release()
+
+    def close(self) -> None:
+        """Close the HTTP client."""
+        self._client.close()
+
+    # -- one cycle -----------------------------------------------------------------------
+
+    def _collect(self, batch: Batch) -> None:
+        fetch = self._fetcher(time.monotonic() + 0.9 * self.timeout_s)
+        mapping = self._mapping()
+        res = fetch(mapping.metrics_path if mapping else DEFAULT_METRICS_PATH)
+        if res.reason or res.status is None:
+            result = failed(res.reason or "transport")
+        else:
+            result = classify_response(res.status, res.content_type, res.body)
+        self._parse_errors += result.error_count
+        self._log_parse_errors(result)
+
+        if self._type is None and result.families:
+            detected = engine_type_from_families(result.family_names())
+            if detected is not None:
+                log.info("engine %s (%s): detected type %s", self.engine, self.instance, detected)
+                self._set_type(detected)
+            else:
+                self._log(
+                    "undetected",
+                    logging.WARNING,
+                    "engine %s (%s): no known engine metric prefix; set its type",
+                    self.engine,
+                    self.instance,
+                )
+
+        up = result.usable
+        if not up or result.reason == REASON_EMPTY:
+            self._report_failure(batch, result, res)
+        else:
+            if self._failing:
+                log.info("engine %s (%s): metrics available again", self.engine, self.instance)
+                self._failing = ""
+            batch.source_ok("metrics")
+            self._normalize(batch, result, fetch)
+
+        labels = {"engine": self.engine, "instance": self.instance}
+        batch.add("kvpressure_engine_up", 1 if up else 0, **labels)
+        batch.add("kvpressure_engine_scrape_samples", result.sample_count, **labels)
+        batch.add("kvpressure_engine_parse_errors_total", self._parse_errors, **labels)
+        batch.add("kvpressure_engine_restarts_total", self.restarts, **labels)
+        models: list[str | None] = list(self._models) or [None]
+        for model in models:
+            batch.add(
+                "kvpressure_engine_info", 1, type=self._type or "unknown", model=model, **labels
+            )
+
+    def _normalize(self, batch: Batch, result: ParseResult, fetch: Fetch) -> None:
+        mapping = self._mapping()
+        if mapping is None or self._normalizer is None or not mapping.implemented:
+            if mapping is not None:
+                self._log(
+                    "not-implemented",
+                    logging.INFO,
+                    "engine %s (%s): type %s is recognised but has no mapping yet; "
+                    "only up/info are exported",
+                    self.engine,
+                    self.instance,
+                    mapping.engine_type,
+                )
+            return
+        ctx = AddonContext(self.engine, self.instance, batch, fetch)
+        default_model = self._addon.before(ctx) if self._addon else None
+        scrape = self._normalizer.normalize(result, default_model)
+        if scrape.restarted:
+            log.info(
+                "engine %s (%s): restart detected (counter reset or new process start time)",
+                self.engine,
+                self.instance,
+            )
+        mark = len(batch.samples)
+        batch.samples.extend(scrape.samples)
+        kv_failed = self._addon.after(ctx, scrape) if self._addon else False
+        self._models = scrape.models or ([default_model] if default_model else [])
+        if KV_RATIO in scrape.invalid:
+            batch.source_error("kv_cache", "invalid_value")
+        elif not kv_failed and not any(s.name == KV_RATIO for s in batch.samples[mark:]):
+            batch.source_unsupported("kv_cache", "not_exported_by_engine")
+            self._log(
+                "kv-missing",
+                logging.INFO,
+                "engine %s (%s): the engine exports no KV-cache usage; "
+                "KV occupancy is unavailable (not 0)",
+                self.engine,
+                self.instance,
+            )
+
+    def _report_failure(self, batch: Batch, result: ParseResult, res: HttpResult) -> None:
+        reason = result.reason
+        batch.source_error("metrics", reason)
+        if reason != self._failing:
+            level = logging.INFO if reason == REASON_EMPTY else logging.WARNING
+            log.log(
+                level, "engine %s (%s): metrics unavailable: %s", self.engine, self.instance, reason
+            )
+            self._failing = reason
+        if res.body:
+            self._log(
+                f"body:{reason}",
+                logging.DEBUG,
+                "engine %s (%s): first bytes of the %s body: %r",
+                self.engine,
+                self.instance,
+                reason,
+                res.body[:_BODY_LOG_BYTES],
+            )
+
+    def _log_parse_errors(self, result: ParseResult) -> None:
+        for err in result.errors:
+            self._log(
+                f"parse:{err.key}:{err.message[:40]}",
+                logging.WARNING,
+                "engine %s (%s): skipped unparsable line %d (%s): %r",
+                self.engine,
+                self.instance,
+                err.line,
+                err.message,
+                err.text,
+            )
+
+    # -- helpers -------------------------------------------------------------------------
+
+    def _mapping(self) -> EngineMapping | None:
+        return ENGINE_TYPES.get(self._type) if self._type else None
+
+    def _set_type(self, engine_type: str) -> None:
+        self._type = engine_type
+        mapping = ENGINE_TYPES[engine_type]
+        self._normalizer = Normalizer(mapping, self.engine, self.instance)
+        self._addon = mapping.addon() if mapping.addon else None
+
+    def _fetcher(self, deadline: float) -> Fetch:
+        def fetch(path: str) -> HttpResult:
+            left = deadline - time.monotonic()
+            if left <= 0.01:
+                return HttpResult(None, None, "", "timeout")
+            return http_get(self._client, self.url + path, left)
+
+        return fetch

