@@ -73,7 +73,7 @@ class Batch:
     samples: list[Sample] = field(default_factory=list)
     sources: list[SourceStatus] = field(default_factory=list)
 
-    def add(self, name: str, value: float | int | None, **labels: str | None) -> None:
+    def add(self, name: str, value: float | int | None, /, **labels: str | None) -> None:
         """Append a sample unless ``value`` is missing.
 
         Args:

@@ -36,15 +36,17 @@ def families(samples: Iterable[Sample], on_unknown: object = None) -> Iterator[M
 
     Yields:
         One family per catalogue metric that has samples, in catalogue order. Duplicate
-        label sets keep the first sample.
+        label sets keep the first sample. Histogram samples are named ``<name>_bucket``
+        (with an ``le`` label), ``<name>_count`` and ``<name>_sum``.
     """
-    grouped: dict[str, dict[tuple[tuple[str, str], ...], float]] = defaultdict(dict)
+    grouped: dict[str, dict[tuple[str, tuple[tuple[str, str], ...]], float]] = defaultdict(dict)
     for s in samples:
-        if s.name not in CATALOGUE:
+        family = _family_of(s.name)
+        if family is None:
             if callable(on_unknown):
                 on_unknown(s)
             continue
-        grouped[s.name].setdefault(s.labels, s.value)
+        grouped[family].setdefault((s.name, s.labels), s.value)
     for name, metric in CATALOGUE.items():
         series = grouped.get(name)
         if not series:
@@ -53,9 +55,28 @@ def families(samples: Iterable[Sample], on_unknown: object = None) -> Iterator[M
         family_name = name.removesuffix("_total") if typ == "counter" else name
         unit = metric.unit if family_name.endswith("_" + metric.unit) else ""
         fam = Metric(family_name, metric.help, typ, unit)
-        for labels, value in series.items():
-            fam.add_sample(name, dict(labels), value)
+        for (sample_name, labels), value in series.items():
+            fam.add_sample(sample_name, dict(labels), value)
         yield fam
+
+
+_HISTOGRAM_SUFFIXES = ("_bucket", "_count", "_sum")
+
+
+def _family_of(sample_name: str) -> str | None:
+    """Return the catalogue metric a sample belongs to, or None when unknown.
+
+    Gauges, counters and info metrics use their catalogue name as the sample name; a
+    histogram's samples are ``<name>_bucket`` (with ``le``), ``<name>_count`` and
+    ``<name>_sum``.
+    """
+    if sample_name in CATALOGUE:
+        return None if CATALOGUE[sample_name].kind == "histogram" else sample_name
+    for suffix in _HISTOGRAM_SUFFIXES:
+        base = sample_name.removesuffix(suffix)
+        if base != sample_name and base in CATALOGUE and CATALOGUE[base].kind == "histogram":
+            return base
+    return None
 
 
 class SnapshotCollector(Collector):
