@@ -1,0 +1,363 @@
+"""Deployment artefacts: the systemd unit, its default config, and the Kubernetes manifests.
+
+* ``systemd-analyze verify`` on the unit (a copy whose ExecStart points at this venv's
+  ``kvpressure``, since verify needs the binary to exist) and the
+  ``systemd-analyze security --offline=true`` exposure score, printed and bounded. Both
+  skip only when ``systemd-analyze`` is missing outside CI (Debian package ``systemd``).
+* ``deploy/kvpressure.yaml`` and the Kubernetes ConfigMap pass ``kvpressure check-config``.
+* Core Kubernetes objects validate against the Kubernetes JSON schemas
+  (``kubernetes-validate``, strict); the Prometheus-Operator ``PodMonitor`` and
+  ``PrometheusRule`` (CRDs, no bundled schema) are checked structurally, and the
+  PrometheusRule must equal ``deploy/prometheus/kvpressure-rules.yml``.
+"""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from agent.config import parse
+
+ROOT = Path(__file__).resolve().parents[1]
+DEPLOY = ROOT / "deploy"
+UNIT = DEPLOY / "systemd" / "kvpressure.service"
+CONFIG = DEPLOY / "kvpressure.yaml"
+K8S = DEPLOY / "kubernetes"
+RULES = DEPLOY / "prometheus" / "kvpressure-rules.yml"
+CONFIG_PATH = "/etc/kvpressure/kvpressure.yaml"
+MAX_EXPOSURE = 3.0
+K8S_VERSIONS = ("1.29", kubernetes_validate.latest_version())
+
+
+def tool(name: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        if os.environ.get("CI"):
+            pytest.fail(f"{name} is required in CI")
+        pytest.skip(f"{name} not installed")
+    return path
+
+
+def parse_unit(text: str) -> dict[str, dict[str, list[str]]]:
+    """Parse a unit file into section -> key -> values (keys may repeat)."""
+    sections: dict[str, dict[str, list[str]]] = {}
+    current: dict[str, list[str]] = {}
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not line or line.startswith(("#", ";")):
+            continue
+        if line.startswith("["):
+            current = sections.setdefault(line.strip("[]"), {})
+            continue
+        key, _, value = line.partition("=")
+        current.setdefault(key.strip(), []).append(value.strip())
+    return sections
+
+
+SERVICE = parse_unit(UNIT.read_text(encoding="utf-8"))["Service"]
+
+
+def one(key: str) -> str:
+    (value,) = SERVICE[key]
+    return value
+
+
+# --- systemd ------------------------------------------------------------------------------
+
+
+def test_default_config_passes_check_config():
+    res = subprocess.run(
+        [sys.executable, "-m", "agent.cli", "check-config", str(CONFIG)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert res.returncode == 0, res.stderr
+    assert "ok" in res.stdout
+    assert one("ExecStart").endswith(f"run --config {CONFIG_PATH}")
+
+
+def test_unit_is_a_notify_service_with_watchdog_and_reload():
+    assert one("Type") == "notify"
+    assert one("NotifyAccess") == "main"
+    assert re.fullmatch(r"\d+s", one("WatchdogSec")) and int(one("WatchdogSec")[:-1]) >= 10
+    assert one("Restart") == "on-failure"
+    assert one("ExecReload") == "/bin/kill -HUP $MAINPID"
+
+
+def test_unit_runs_unprivileged_with_nvidia_devices_only():
+    assert one("DynamicUser") == "yes" or one("User") not in ("", "root")
+    assert one("User") == "kvpressure"
+    assert SERVICE["SupplementaryGroups"]
+    assert one("DevicePolicy") == "closed"
+    assert one("PrivateDevices") == "no"  # yes would hide /dev/nvidia*
+    allowed = SERVICE["DeviceAllow"]
+    assert all("nvidia" in d for d in allowed), allowed
+    assert any(d.startswith("char-nvidia-frontend ") for d in allowed)
+    assert one("CapabilityBoundingSet") == ""
+    for key, value in {
+        "NoNewPrivileges": "yes",
+        "ProtectSystem": "strict",
+        "ProtectHome": "yes",
+        "PrivateTmp": "yes",
+        "ProtectKernelTunables": "yes",
+        "ProtectControlGroups": "yes",
+        "RestrictSUIDSGID": "yes",
+        "LockPersonality": "yes",
+    }.items():
+        assert one(key) == value, key
+    families = one("RestrictAddressFamilies").split()
+    assert {"AF_UNIX", "AF_INET", "AF_INET6"} <= set(families)  # sd_notify, HTTP
+    assert "@system-service" in SERVICE["SystemCallFilter"]
+    assert re.fullmatch(r"\d+[KMG]", one("MemoryMax"))
+    # These would hide what the agent reads: other users' /proc/<pid> (GPU process ->
+    # engine join) and /proc/pressure, /proc/vmstat, /proc/meminfo, /proc/diskstats.
+    assert "ProtectProc" not in SERVICE
+    assert "ProcSubset" not in SERVICE
+    assert "PrivateNetwork" not in SERVICE
+
+
+@pytest.fixture
+def unit_copy(tmp_path: Path) -> Path:
+    """The unit with ExecStart pointing at this venv's kvpressure (verify stats it)."""
+    exe = Path(sys.executable).parent / "kvpressure"
+    if not exe.exists():
+        found = shutil.which("kvpressure")
+        if found is None:
+            pytest.fail("kvpressure entry point not installed (pip install -e .)")
+        exe = Path(found)
+    text = UNIT.read_text(encoding="utf-8")
+    text = text.replace("ExecStart=/opt/kvpressure/bin/kvpressure ", f"ExecStart={exe} ")
+    assert str(exe) in text
+    path = tmp_path / "kvpressure.service"
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def test_systemd_analyze_verify(unit_copy: Path):
+    res = subprocess.run(
+        [tool("systemd-analyze"), "verify", str(unit_copy)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "SYSTEMD_PAGER": "", "SYSTEMD_COLORS": "0"},
+    )
+    ours = [line for line in (res.stdout + res.stderr).splitlines() if "kvpressure" in line]
+    assert res.returncode == 0 and ours == [], res.stdout + res.stderr
+
+
+def test_systemd_analyze_security_exposure(unit_copy: Path):
+    res = subprocess.run(
+        [tool("systemd-analyze"), "security", "--offline=true", "--no-pager", str(unit_copy)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "SYSTEMD_COLORS": "0"},
+    )
+    out = res.stdout + res.stderr
+    if "--offline" in out and "unrecognized" in out:  # systemd < 250
+        pytest.skip("systemd-analyze security --offline needs systemd 250 or later")
+    m = re.search(r"Overall exposure level for kvpressure\.service: ([0-9.]+) (\w+)", out)
+    assert m, out
+    score = float(m.group(1))
+    print(f"\n[deploy] systemd-analyze security exposure: {score} {m.group(2)}")
+    assert score < MAX_EXPOSURE, out
+
+
+# --- Kubernetes ---------------------------------------------------------------------------
+
+
+def k8s_objects() -> dict[str, dict]:
+    out = {}
+    for path in sorted(K8S.glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text(encoding="utf-8")):
+            if doc:
+                out[f"{doc['kind']}/{doc.get('metadata', {}).get('name', path.stem)}"] = doc
+    return out
+
+
+OBJECTS = k8s_objects()
+CORE = {
+    k: v
+    for k, v in OBJECTS.items()
+    if "." not in v["apiVersion"].split("/")[0] or v["apiVersion"].startswith("apps/")
+}
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+@pytest.mark.parametrize("name", sorted(CORE))
+def test_core_objects_validate_against_kubernetes_schemas(name, version):
+    kubernetes_validate.validate(CORE[name], version, strict=True)
+
+
+def test_manifest_set_is_complete_and_listed_in_kustomization():
+    kinds = {k.split("/")[0] for k in OBJECTS}
+    assert {"Namespace", "ServiceAccount", "ConfigMap", "DaemonSet", "Service"} <= kinds
+    assert {"PodMonitor", "PrometheusRule", "Kustomization"} <= kinds
+    listed = set(OBJECTS["Kustomization/kustomization"]["resources"])
+    files = {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml"}
+    assert listed == files
+    namespaces = {o.get("metadata", {}).get("namespace") for o in OBJECTS.values()} - {None}
+    assert namespaces == {"kvpressure"}
+
+
+def daemonset() -> dict:
+    return OBJECTS["DaemonSet/kvpressure"]
+
+
+def test_daemonset_host_access_is_read_only():
+    pod = daemonset()["spec"]["template"]["spec"]
+    assert pod["hostPID"] is True  # NVML's PIDs resolve to the engines' /proc/<pid>
+    (c,) = pod["containers"]
+    mounts = {m["name"]: m for m in c["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    host = {v["hostPath"]["path"]: n for n, v in volumes.items() if "hostPath" in v}
+    assert set(host) == {"/proc", "/sys"}
+    for name in host.values():
+        assert mounts[name]["readOnly"] is True, name
+    cfg = parse(OBJECTS["ConfigMap/kvpressure-config"]["data"]["kvpressure.yaml"], "configmap")
+    assert cfg.procfs_root == mounts[host["/proc"]]["mountPath"]
+    assert cfg.sysfs_root == mounts[host["/sys"]]["mountPath"]
+    config_mount = mounts[next(n for n, v in volumes.items() if "configMap" in v)]
+    assert f"{config_mount['mountPath']}/kvpressure.yaml" == CONFIG_PATH
+    assert c["args"] == ["run", "--config", CONFIG_PATH]
+
+
+def test_daemonset_is_non_root_with_limits_and_gpu_via_runtime():
+    pod = daemonset()["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["runAsUser"] != 0
+    sc = c["securityContext"]
+    assert sc["readOnlyRootFilesystem"] is True
+    assert sc["allowPrivilegeEscalation"] is False
+    assert sc["capabilities"]["drop"] == ["ALL"]
+    assert "privileged" not in sc
+    res = c["resources"]
+    assert {"cpu", "memory"} <= set(res["requests"]) and {"cpu", "memory"} <= set(res["limits"])
+    # NVML only: no GPU taken from the device plugin; the NVIDIA runtime injects the nodes.
+    assert not any(k.startswith("nvidia.com/") for k in res["limits"])
+    env = {e["name"]: e["value"] for e in c["env"]}
+    assert env["NVIDIA_VISIBLE_DEVICES"] == "all"
+    assert "utility" in env["NVIDIA_DRIVER_CAPABILITIES"]
+    assert pod["runtimeClassName"] == "nvidia"
+    assert pod["automountServiceAccountToken"] is False
+
+
+def test_configmap_config_passes_check_config_and_matches_ports(tmp_path):
+    text = OBJECTS["ConfigMap/kvpressure-config"]["data"]["kvpressure.yaml"]
+    path = tmp_path / "kvpressure.yaml"
+    path.write_text(text, encoding="utf-8")
+    res = subprocess.run(
+        [sys.executable, "-m", "agent.cli", "check-config", str(path)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert res.returncode == 0, res.stderr
+    cfg = parse(text)
+    (c,) = daemonset()["spec"]["template"]["spec"]["containers"]
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert cfg.listen_host == "0.0.0.0" and cfg.listen_port == ports["metrics"]
+    svc = OBJECTS["Service/kvpressure"]["spec"]
+    assert svc["selector"].items() <= daemonset()["spec"]["template"]["metadata"]["labels"].items()
+    assert {p["targetPort"] for p in svc["ports"]} <= set(ports)
+
+
+# Fields of the Prometheus-Operator PodMonitor used or allowed here (monitoring.coreos.com/v1).
+PODMONITOR_SPEC = {
+    "jobLabel",
+    "namespaceSelector",
+    "selector",
+    "podMetricsEndpoints",
+    "podTargetLabels",
+    "sampleLimit",
+    "targetLimit",
+    "attachMetadata",
+}
+ENDPOINT = {
+    "port",
+    "portNumber",
+    "path",
+    "scheme",
+    "interval",
+    "scrapeTimeout",
+    "honorLabels",
+    "honorTimestamps",
+    "relabelings",
+    "metricRelabelings",
+    "params",
+    "enableHttp2",
+    "filterRunning",
+    "followRedirects",
+}
+RELABEL = {"sourceLabels", "separator", "targetLabel", "regex", "modulus", "replacement", "action"}
+ACTIONS = {
+    "replace",
+    "keep",
+    "drop",
+    "hashmod",
+    "labelmap",
+    "labeldrop",
+    "labelkeep",
+    "lowercase",
+    "uppercase",
+    "keepequal",
+    "dropequal",
+}
+DURATION = re.compile(
+    r"^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?"
+    r"(([0-9]+)s)?(([0-9]+)ms)?)$"
+)
+
+
+def test_podmonitor_structure():
+    from agent.catalogue import CATALOGUE
+
+    pm = OBJECTS["PodMonitor/kvpressure"]
+    assert pm["apiVersion"] == "monitoring.coreos.com/v1"
+    spec = pm["spec"]
+    assert set(spec) <= PODMONITOR_SPEC, set(spec) - PODMONITOR_SPEC
+    pod_labels = daemonset()["spec"]["template"]["metadata"]["labels"]
+    assert spec["selector"]["matchLabels"].items() <= pod_labels.items()
+    # job="kvpressure", as KvpressureAgentDown and the dashboards' job variable expect
+    assert pod_labels[spec["jobLabel"]] == "kvpressure"
+    assert spec["namespaceSelector"]["matchNames"] == [pm["metadata"]["namespace"]]
+    (c,) = daemonset()["spec"]["template"]["spec"]["containers"]
+    port_names = {p["name"] for p in c["ports"]}
+    catalogue_labels = {label for m in CATALOGUE.values() for label in m.labels}
+    assert spec["podMetricsEndpoints"]
+    for ep in spec["podMetricsEndpoints"]:
+        assert set(ep) <= ENDPOINT, set(ep) - ENDPOINT
+        assert ep["port"] in port_names
+        assert ep.get("honorLabels", False) is False  # see the README, honor_labels
+        for key in ("interval", "scrapeTimeout"):
+            assert DURATION.match(ep.get(key, "0")), key
+        for r in ep.get("relabelings", []):
+            assert set(r) <= RELABEL and r.get("action", "replace") in ACTIONS, r
+            # a target label named like an agent label pushes the agent's aside (exported_*)
+            assert r.get("targetLabel") not in catalogue_labels, r
+
+
+def test_prometheusrule_is_the_rules_file():
+    sys.path.insert(0, str(K8S))
+    import prometheusrule
+
+    committed = (K8S / "prometheusrule.yaml").read_text(encoding="utf-8")
+    assert committed == prometheusrule.render(), (
+        "deploy/kubernetes/prometheusrule.yaml is stale: run "
+        ".venv/bin/python deploy/kubernetes/prometheusrule.py"
+    )
+    pr = OBJECTS["PrometheusRule/kvpressure"]
+    assert pr["apiVersion"] == "monitoring.coreos.com/v1"
+    assert pr["spec"] == yaml.safe_load(RULES.read_text(encoding="utf-8"))
