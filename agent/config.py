@@ -63,10 +63,22 @@ class SamplerToggle(_Model):
     interval_s: Seconds | None = Field(default=None, ge=0.1, le=3600)
 
 
+class HostSamplerConfig(SamplerToggle):
+    """The host sampler's switch, interval and memory view.
+
+    Attributes:
+        memory_cgroup: ``self`` caps effective memory at the agent's own cgroup and its
+            ancestors (agent inside the engine's container); ``none`` uses /proc/meminfo
+            alone (agent in its own systemd unit or pod with a small memory limit).
+    """
+
+    memory_cgroup: Literal["self", "none"] = "self"
+
+
 class SamplersConfig(_Model):
     """Which samplers run."""
 
-    host: SamplerToggle = SamplerToggle()
+    host: HostSamplerConfig = HostSamplerConfig()
     engines: SamplerToggle = SamplerToggle()
     gpu: SamplerToggle = SamplerToggle()
 

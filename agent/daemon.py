@@ -208,6 +208,7 @@ class Daemon:
                     sysfs_root=cfg.sysfs_root,
                     engine_cgroups=cgroups,
                     interval_s=interval,
+                    memory_cgroup=memory_cgroup,
                 )
 
             out["host"] = (spec, host_factory)

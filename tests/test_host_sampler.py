@@ -1029,3 +1029,26 @@ def test_real_proc_and_sys() -> None:
         assert s.value >= 0, s
     per_call = timeit.timeit(lambda: sampler.collect(Batch()), number=50) / 50
     assert per_call < 0.05, f"collect() took {per_call * 1e3:.1f} ms"
+
+
+def test_memory_cgroup_none_uses_meminfo_alone(tmp_path):
+    """A systemd unit's MemoryMax (the agent's own cgroup) must not cap the host view."""
+    root = tmp_path / "root"
+    proc = root / "proc"
+    cg = root / "sys" / "fs" / "cgroup" / "system.slice" / "kvpressure.service"
+    cg.mkdir(parents=True)
+    (proc / "self").mkdir(parents=True)
+    (proc / "meminfo").write_text(
+        "MemTotal: 1000 kB\nMemFree: 500 kB\nMemAvailable: 800 kB\nSwapTotal: 0 kB\nSwapFree: 0 kB\n"
+    )
+    (proc / "self" / "cgroup").write_text("0::/system.slice/kvpressure.service\n")
+    (cg / "memory.max").write_text("102400\n")
+    (cg / "memory.current").write_text("51200\n")
+    capped = Batch()
+    HostSampler(str(proc), str(root / "sys")).collect(capped)
+    host_view = Batch()
+    HostSampler(str(proc), str(root / "sys"), memory_cgroup="none").collect(host_view)
+    assert value(capped, "kvpressure_host_memory_total_bytes") == 102400
+    assert value(host_view, "kvpressure_host_memory_total_bytes") == 1000 * 1024
+    assert value(host_view, "kvpressure_host_memory_available_bytes") == 800 * 1024
+    assert "cgroup" not in {s.source for s in host_view.sources}

@@ -502,6 +502,13 @@ class HostSampler(Sampler):
             ``<sysfs_root>/fs/cgroup/unified``.
         interval_s: seconds between collections.
         timeout_s: seconds after which a collection counts as failed.
+        memory_cgroup: ``"self"`` caps the effective memory at the agent's own cgroup and
+            its ancestors (the agent runs inside the engine's container); ``"none"`` uses
+            ``/proc/meminfo`` alone (the agent runs in its own unit or pod, whose small
+            limit says nothing about the engine's memory).
+
+    Raises:
+        ValueError: ``memory_cgroup`` is neither ``"self"`` nor ``"none"``.
     """
 
     name = "host"
@@ -513,8 +520,12 @@ class HostSampler(Sampler):
         engine_cgroups: dict[str, str] | None = None,
         interval_s: float = 1.0,
         timeout_s: float | None = None,
+        memory_cgroup: str = "self",
     ) -> None:
         super().__init__(interval_s, timeout_s)
+        if memory_cgroup not in ("self", "none"):
+            raise ValueError(f"memory_cgroup must be 'self' or 'none', not {memory_cgroup!r}")
+        self.memory_cgroup = memory_cgroup
         self.procfs_root = procfs_root
         self.sysfs_root = sysfs_root
         self.engine_cgroups = dict(engine_cgroups or {})
@@ -561,7 +572,11 @@ class HostSampler(Sampler):
             batch: the batch to fill.
         """
         info = self._run("meminfo", batch, self._collect_meminfo)
-        cgroup = self._run("cgroup", batch, self._collect_cgroup)
+        cgroup = (
+            self._run("cgroup", batch, self._collect_cgroup)
+            if self.memory_cgroup == "self"
+            else None
+        )
         self._add_effective_memory(batch, info, cgroup)
         self._run("vmstat", batch, self._collect_vmstat)
         self._run("psi", batch, self._collect_psi)
