@@ -192,12 +192,14 @@ class Daemon:
         if cfg.samplers.host.enabled:
             interval = cfg.samplers.host.interval_s or cfg.interval_s
             cgroups = _engine_cgroups(cfg)
+            memory_cgroup = cfg.samplers.host.memory_cgroup
             spec = (
                 "host",
                 cfg.procfs_root,
                 cfg.sysfs_root,
                 tuple(sorted(cgroups.items())),
                 interval,
+                memory_cgroup,
             )
 
             def host_factory() -> Sampler:

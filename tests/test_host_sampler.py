@@ -1039,7 +1039,8 @@ def test_memory_cgroup_none_uses_meminfo_alone(tmp_path):
     cg.mkdir(parents=True)
     (proc / "self").mkdir(parents=True)
     (proc / "meminfo").write_text(
-        "MemTotal: 1000 kB\nMemFree: 500 kB\nMemAvailable: 800 kB\nSwapTotal: 0 kB\nSwapFree: 0 kB\n"
+        "MemTotal: 1000 kB\nMemFree: 500 kB\nMemAvailable: 800 kB\n"
+        "SwapTotal: 0 kB\nSwapFree: 0 kB\n"
     )
     (proc / "self" / "cgroup").write_text("0::/system.slice/kvpressure.service\n")
     (cg / "memory.max").write_text("102400\n")
