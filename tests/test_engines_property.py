@@ -15,6 +15,26 @@ from agent.samplers.engines.normalize import Normalizer
 FIXTURES = Path(__file__).parent / "fixtures"
 SEEDS = [
     (FIXTURES / "engines" / "llamacpp" / "metrics_load.txt").read_text(),
+    *(
+        (FIXTURES / "engines" / name).read_text()
+        for name in (
+            "sglang/0.5.x.txt",
+            "tgi/3.x.txt",
+            "trtllm/1.x.txt",
+            "triton/25.x-trtllm.txt",
+            "lmcache/0.3.x.txt",
+            "kvbm/0.x.txt",
+        )
+    ),
+    # the real vLLM capture with --kv-cache-metrics histograms (engine families only)
+    "\n".join(
+        ln
+        for ln in (FIXTURES / "engines" / "vllm" / "0.32.0-cpu-kv-metrics-load.txt")
+        .read_text()
+        .splitlines()
+        if "vllm:" in ln and "_created" not in ln
+    )
+    + "\n",
     # the vLLM capture's engine families (the python_/process_ preamble is generic)
     "\n".join(
         ln
@@ -57,13 +77,14 @@ PROFILE = settings(
 
 
 def check(result: ParseResult, *more: ParseResult) -> None:
-    """Normalize with every implemented mapping; nothing raises, nothing non-finite."""
-    for etype in ("vllm", "llamacpp"):
+    """Normalize with every mapping; nothing raises, nothing non-finite or negative."""
+    for etype in ENGINE_TYPES:
         normalizer = Normalizer(ENGINE_TYPES[etype], "e", "h:1")
-        for r in (result, *more):
-            scrape = normalizer.normalize(r, default_model="m")
+        for i, r in enumerate((result, *more)):
+            scrape = normalizer.normalize(r, default_model="m", now=float(i))
             for sample in scrape.samples:
                 assert math.isfinite(sample.value), sample
+                assert sample.value >= 0, sample
             assert normalizer.restarts >= 0
     for r in (result, *more):
         for fam in r.families:

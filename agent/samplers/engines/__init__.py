@@ -4,13 +4,14 @@ Layout:
 
 * :mod:`.exposition`: fetch-independent parsing and response classification;
 * :mod:`.normalize`: the one normalizer, driven by per-engine :class:`EngineMapping` tables;
-* :mod:`.vllm`, :mod:`.llamacpp`: the mappings implemented so far;
+* one mapping module per engine: :mod:`.vllm`, :mod:`.sglang`, :mod:`.llamacpp`,
+  :mod:`.tgi`, :mod:`.trtllm` (``trtllm-serve``), :mod:`.triton` (Triton with the
+  TensorRT-LLM backend), and :mod:`.kvtiers` (LMCache and Dynamo KVBM, KV-tier sources);
 * :mod:`.registry`: :data:`ENGINE_TYPES`, re-exported here;
 * :mod:`.base`: :class:`EngineSampler`, :func:`probe`, :func:`engine_type_from_families`.
 
-``sglang``, ``tgi``, ``trtllm`` and ``triton`` are recognised by auto-detection, but their
-samplers emit only ``kvpressure_engine_up`` and ``kvpressure_engine_info`` until their
-mapping lands (one mapping module plus fixtures each).
+A new engine is a mapping module, its fixtures under ``tests/fixtures/engines/<engine>/``
+and a golden test; the normalizer does not change.
 """
 
 from __future__ import annotations

@@ -60,8 +60,10 @@ def engine_type_from_families(names: Iterable[str]) -> str | None:
     """Detect the engine type from metric family names.
 
     Prefixes (see ``ENGINE_TYPES``): ``vllm:``/``vllm_``, ``llamacpp:``/``llamacpp_``,
-    ``sglang:``/``sglang_``, ``tgi_``, ``trtllm_``/``nv_trt_llm_`` (TensorRT-LLM, also under
-    Triton), ``nv_inference_`` (Triton, only when no engine prefix is present).
+    ``sglang:``/``sglang_``, ``tgi_``, ``trtllm_``/``trtllm:`` (``trtllm-serve``), and, only
+    when no other type's prefix is present (``DETECTION_FALLBACK``): ``nv_trt_llm_``/
+    ``nv_inference_`` (Triton; a Triton running the vLLM backend is a vLLM),
+    ``lmcache:`` (LMCache's own server) and ``kvbm_`` (Dynamo KVBM's port).
 
     Args:
         names: family (or sample) names from one scrape.
@@ -301,7 +303,9 @@ class EngineSampler(Sampler):
         batch.samples.extend(scrape.samples)
         kv_failed = self._addon.after(ctx, scrape) if self._addon else False
         self._models = scrape.models or ([default_model] if default_model else [])
-        if KV_RATIO in scrape.invalid:
+        if not mapping.reports_kv:
+            pass  # a KV-tier source (LMCache, KVBM): no device KV cache to report
+        elif KV_RATIO in scrape.invalid:
             batch.source_error("kv_cache", "invalid_value")
         elif not kv_failed and not any(s.name == KV_RATIO for s in batch.samples[mark:]):
             batch.source_unsupported("kv_cache", "not_exported_by_engine")

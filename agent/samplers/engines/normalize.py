@@ -36,21 +36,48 @@ Values:
 Labels: output samples carry ``engine`` (the configured engine name), ``instance``
 (``host:port``) and ``model`` when the engine says which (the first of
 ``EngineMapping.model_labels`` present on the sample, else the sampler's default model,
-e.g. llama.cpp's ``/props`` alias). Every other engine label (vLLM's data-parallel
-``engine`` index, ``mode``, ...) is combined away. At most ``max_models`` (32) distinct
-models are kept per engine; samples of further models are dropped with a log-once.
+e.g. llama.cpp's ``/props`` alias), plus the rule's constant ``out_labels`` (``tier``,
+``phase``, ...) and the source labels it keeps (``keep_labels``, renamed, e.g. vLLM's
+``reason``). Every other engine label (vLLM's data-parallel ``engine`` index, ``mode``,
+...) is combined away. At most ``max_models`` (32) distinct models are kept per engine;
+samples of further models are dropped with a log-once. A rule with ``per_model=False``
+combines all models into one series without a ``model`` label.
+
+Histograms (``kind="histogram"``): the rule's source is a histogram family; per raw
+series the normalizer keeps a :class:`~agent.requests.histograms.WindowedHistogram` of
+its buckets (``le`` scaled by ``scale``, e.g. milliseconds to seconds), sums the window
+deltas of the series that combine into one output group, and emits the windowed
+quantiles ``Rule.quantiles`` as gauge samples with a ``percentile`` label (``p50``,
+``p95``, ``p99``; not ``quantile``, which Prometheus reserves for summaries). Resets and
+sparse windows are handled there (no quantile with fewer than ``min_count`` observations
+in the window).
+
+Window ratios (:class:`WindowRatio`): a ratio of two of the mapping's own re-exported
+counters over the last window (vLLM's prefix-cache hit ratio), emitted only where the
+engine's own gauge for it is absent.
 """
 
 from __future__ import annotations
 
 import abc
+import functools
 import logging
 import math
 import re
+import time
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Final, Literal
 
+from agent.requests.histograms import (
+    DEFAULT_MIN_COUNT,
+    DEFAULT_WINDOW_S,
+    HistogramSnapshot,
+    WindowedHistogram,
+    sum_windows,
+    window_quantile,
+)
 from agent.samplers.base import LogOnce
 from agent.samplers.engines.exposition import ParsedFamily, ParseResult
 from agent.samplers.engines.http import Fetch
@@ -59,7 +86,8 @@ from agent.samples import Batch, Sample, make_labels
 log = logging.getLogger(__name__)
 
 Combine = Literal["sum", "max", "pick"]
-RuleKind = Literal["gauge", "counter"]
+RuleKind = Literal["gauge", "counter", "histogram"]
+LabelPairs = tuple[tuple[str, str], ...]
 
 MAX_MODELS: Final = 32
 """Distinct ``model`` label values kept per engine."""
@@ -67,6 +95,10 @@ MAX_MODELS: Final = 32
 NONNEGATIVE: Final = (0.0, math.inf)
 RATIO: Final = (0.0, 1.0)
 PROCESS_START_TIME: Final = "process_start_time_seconds"
+QUANTILES: Final = (0.5, 0.95, 0.99)
+"""Quantiles emitted for histogram rules."""
+MAX_HISTOGRAM_SERIES: Final = 2048
+"""Raw histogram series windowed per engine; further ones are ignored (logged once)."""
 
 _GAUGE_HELP = re.compile(
     r"\b(average|avg|mean|ratio|percent(age)?|throughput|per[ -]second)\b|tokens/s\b",
@@ -91,7 +123,9 @@ class Rule:
     Attributes:
         canonical: the catalogue metric name, e.g. ``kvpressure_engine_kv_cache_usage_ratio``.
         sources: engine metric names in priority order (newest first, ``prefix:`` form);
-            the first one with a matching sample wins, the others are ignored.
+            the first one with a matching sample wins, the others are ignored. A source
+            may carry its own label filter, ``name{label=value}`` (see
+            :func:`parse_source`), e.g. ``vllm:prompt_tokens_cached_by_source{source=host}``.
         combine: how the samples of one model are combined: ``sum`` (e.g. across vLLM
             data-parallel ``engine`` ranks), ``max``, or ``pick`` (the first sample in
             label order, for values that should exist once).
@@ -99,9 +133,18 @@ class Rule:
             (e.g. ``1e-3`` for milliseconds).
         kind: ``gauge`` or ``counter`` (re-exported reset-aware).
         labels: ``(name, value)`` pairs a sample must carry to be used, compared on the
-            parsed, unescaped value (e.g. ``(("source", "local_compute"),)``).
+            parsed, unescaped value (e.g. ``(("source", "local_compute"),)``). A value may
+            list alternatives separated by ``|`` and may end in ``*`` (prefix match).
         valid: inclusive ``(low, high)`` range of a valid raw value; values outside are
             dropped and logged once. ``None`` accepts any finite value.
+        out_labels: constant labels added to the output (``(("tier", "kv_host"),)``).
+        keep_labels: ``(source label, output label)`` pairs copied from the source sample
+            (e.g. vLLM's ``reason``); samples are grouped by them. A sample without the
+            source label is skipped.
+        per_model: False to combine every model into one series without ``model``.
+        quantiles: for ``histogram`` rules, the quantiles emitted (label ``percentile``).
+        min_count: for ``histogram`` rules, fewest observations in the window for a
+            quantile.
     """
 
     canonical: str
@@ -109,8 +152,51 @@ class Rule:
     combine: Combine = "sum"
     scale: float = 1.0
     kind: RuleKind = "gauge"
-    labels: tuple[tuple[str, str], ...] = ()
+    labels: LabelPairs = ()
     valid: tuple[float, float] | None = NONNEGATIVE
+    out_labels: LabelPairs = ()
+    keep_labels: LabelPairs = ()
+    per_model: bool = True
+    quantiles: tuple[float, ...] = QUANTILES
+    min_count: float = DEFAULT_MIN_COUNT
+
+
+def latency(phase: str, *sources: str, scale: float = 1.0, **labels: str) -> Rule:
+    """A ``kvpressure_engine_latency_seconds`` histogram rule for one phase.
+
+    Args:
+        phase: ``ttft``, ``itl``, ``e2e``, ``queue``, ``prefill``, ``decode``,
+            ``inference``, ``batch_prefill`` or ``batch_decode``.
+        *sources: histogram family names, first present wins.
+        scale: factor from the engine's ``le`` unit to seconds (``1e-3`` for ms).
+        **labels: source label filter (see :attr:`Rule.labels`).
+    """
+    return Rule(
+        "kvpressure_engine_latency_seconds",
+        tuple(sources),
+        scale=scale,
+        kind="histogram",
+        labels=tuple(labels.items()),
+        out_labels=(("phase", phase),),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class WindowRatio:
+    """A ratio of two of the mapping's counters over the last window.
+
+    Attributes:
+        canonical: the catalogue gauge to emit (e.g. ``kvpressure_engine_prefix_cache_hit_ratio``).
+        numerator: the catalogue counter on top (e.g. hit tokens).
+        denominator: the catalogue counter below (e.g. queried tokens); no value when it
+            did not increase in the window.
+        window_s: window length in seconds.
+    """
+
+    canonical: str
+    numerator: str
+    denominator: str
+    window_s: float = DEFAULT_WINDOW_S
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,11 +208,13 @@ class Derived:
         value: value in base units.
         model: the model it belongs to; ``None`` means "the scrape's only model, if
             there is exactly one, else the default model".
+        labels: extra output labels (e.g. ``(("state", "total"),)``).
     """
 
     canonical: str
     value: float
     model: str | None = None
+    labels: LabelPairs = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,8 +284,11 @@ class MetricIndex:
             for s in fam.samples:
                 series = Series(s.name, s.labels, s.value, fam)
                 self._by_sample.setdefault(s.name, []).append(series)
-                if alias and s.name == fam.name + "_total":
-                    self._by_family.setdefault(fam.name, []).append(series)
+                if alias and s.name.endswith("_total"):
+                    # a counter's samples are found under the name without ``_total`` too,
+                    # whether the family was declared with it (text format) or without
+                    # (OpenMetrics, or a text body that split it into an unknown family)
+                    self._by_family.setdefault(s.name[: -len("_total")], []).append(series)
 
     def exact(self, name: str) -> list[Series]:
         """Samples named ``name``, else samples of the family ``name``; exact spelling only."""
@@ -229,6 +320,22 @@ class MetricIndex:
         """The largest finite value of ``name`` (any spelling), or ``None`` when absent."""
         values = [s.value for s in self.find(name)[1] if math.isfinite(s.value)]
         return max(values) if values else None
+
+    def histogram(self, name: str) -> tuple[str, list[Series], list[Series], bool]:
+        """Look up the histogram family ``name`` (any spelling) by its sample names.
+
+        Matching on ``<name>_bucket``/``<name>_sum`` sample names works whatever the
+        family was typed as (a missing ``# TYPE`` line included).
+
+        Returns:
+            ``(spelling used, bucket samples, sum samples, duplicate)``; empty lists when
+            there is no bucket sample.
+        """
+        used, buckets, duplicate = self.find(name + "_bucket")
+        if not buckets:
+            return name, [], [], False
+        base = used.removesuffix("_bucket")
+        return base, buckets, self.exact(base + "_sum"), duplicate
 
 
 @dataclass(slots=True)
@@ -326,6 +433,7 @@ class NormalizedScrape:
         samples: catalogue samples with ``engine``, ``instance`` and ``model`` labels.
         models: the models admitted in this scrape (sorted).
         emitted: ``(canonical, model)`` pairs present in ``samples``.
+        emitted_labels: the same pairs, by the extra output labels they were emitted with.
         missing: canonical names none of whose sources were in the scrape.
         invalid: canonical names whose source had a value outside ``Rule.valid``.
         restarted: True when a counter reset or ``process_start_time_seconds`` changed.
@@ -334,6 +442,7 @@ class NormalizedScrape:
     samples: list[Sample] = field(default_factory=list)
     models: list[str] = field(default_factory=list)
     emitted: set[tuple[str, str | None]] = field(default_factory=set)
+    emitted_labels: dict[LabelPairs, set[tuple[str, str | None]]] = field(default_factory=dict)
     missing: list[str] = field(default_factory=list)
     invalid: list[str] = field(default_factory=list)
     restarted: bool = False
@@ -400,7 +509,7 @@ class EngineMapping:
 
     Attributes:
         engine_type: one of ``vllm``, ``sglang``, ``llamacpp``, ``tgi``, ``trtllm``,
-            ``triton``.
+            ``triton`` (engines), or ``lmcache``, ``kvbm`` (KV tier sources).
         prefixes: metric-name prefixes that identify the engine in auto-detection.
         rules: the :class:`Rule` rows; empty for engines whose mapping has not landed.
         model_labels: raw label names that carry the model, in priority order.
@@ -410,6 +519,9 @@ class EngineMapping:
         addon: optional factory of an :class:`EngineAddon` for extra endpoints.
         implemented: False while only detection exists (the sampler then emits only
             ``kvpressure_engine_up`` and ``kvpressure_engine_info``).
+        ratios: :class:`WindowRatio` rows computed from the rules' counters.
+        reports_kv: False for KV-tier sources (LMCache, KVBM), which never report the
+            device KV cache: no ``kv_cache`` source status is recorded for them.
     """
 
     engine_type: str
@@ -420,6 +532,14 @@ class EngineMapping:
     derive: Callable[[MetricIndex], Iterable[Derived]] | None = None
     addon: Callable[[], EngineAddon] | None = None
     implemented: bool = True
+    ratios: tuple[WindowRatio, ...] = ()
+    reports_kv: bool = True
+
+
+_BASE_LABELS: Final = frozenset({"engine", "instance", "model"})
+
+GroupKey = tuple[str, str | None, LabelPairs]
+"""``(canonical, model, extra output labels)``: one output series."""
 
 
 @dataclass(slots=True)
@@ -428,21 +548,25 @@ class _Pending:
     combine: Combine
     scale: float
     model: str | None
+    extra: LabelPairs
     value: float
-    order: tuple[tuple[str, str], ...]
+    order: LabelPairs
 
 
 class Normalizer:
     """Applies one :class:`EngineMapping` to successive scrapes of one endpoint.
 
-    Stateful: it holds the counter tracker, the last ``process_start_time_seconds``, the
-    admitted models and the restart count, so use one instance per endpoint.
+    Stateful: it holds the counter tracker, the histogram windows, the last
+    ``process_start_time_seconds``, the admitted models and the restart count, so use one
+    instance per endpoint.
 
     Args:
         mapping: the engine's mapping.
         engine: the ``engine`` label value (the configured engine name).
         instance: the ``instance`` label value (``host:port``).
         max_models: distinct models kept (further ones are dropped and logged once).
+        clock: monotonic clock in seconds (histogram and ratio windows).
+        window_s: length of the histogram quantile windows in seconds.
     """
 
     def __init__(
@@ -451,6 +575,8 @@ class Normalizer:
         engine: str,
         instance: str,
         max_models: int = MAX_MODELS,
+        clock: Callable[[], float] = time.monotonic,
+        window_s: float = DEFAULT_WINDOW_S,
     ) -> None:
         self.mapping = mapping
         self.engine = engine
@@ -459,22 +585,33 @@ class Normalizer:
         self.restarts = 0
         """Restarts seen so far (counter resets or a new process start time)."""
         self.tracker = CounterTracker()
+        self.clock = clock
+        self.window_s = window_s
         self._start_time: float | None = None
         self._models: dict[str, int] = {}
         self._scrape = 0
+        self._hist: dict[tuple[str, LabelPairs, LabelPairs], tuple[WindowedHistogram, int]] = {}
+        self._ratios: dict[tuple[str, str | None], deque[tuple[float, float, float]]] = {}
         self._log = LogOnce(log)
 
-    def normalize(self, result: ParseResult, default_model: str | None = None) -> NormalizedScrape:
+    def normalize(
+        self,
+        result: ParseResult,
+        default_model: str | None = None,
+        now: float | None = None,
+    ) -> NormalizedScrape:
         """Map one parsed scrape to catalogue samples.
 
         Args:
             result: the parsed exposition (only its families are read).
             default_model: the model for samples without a model label (llama.cpp's
                 ``/props`` ``model_alias``), or ``None``.
+            now: monotonic time of the scrape in seconds (default: the clock).
 
         Returns:
             The :class:`NormalizedScrape`. Never raises on engine data.
         """
+        t = self.clock() if now is None else now
         self._scrape += 1
         self.tracker.begin()
         out = NormalizedScrape()
@@ -491,66 +628,49 @@ class Normalizer:
         restarted = force_reset
 
         pending: list[_Pending] = []
+        histograms: list[tuple[Rule, str, list[Series], list[Series]]] = []
         for rule in self.mapping.rules:
+            if rule.kind == "histogram":
+                used, buckets, sums = self._resolve_histogram(index, rule)
+                if buckets:
+                    histograms.append((rule, used, buckets, sums))
+                else:
+                    out.missing.append(rule.canonical)
+                continue
             used, series = self._resolve(index, rule)
             if not series:
                 out.missing.append(rule.canonical)
                 continue
-            kind = rule.kind
-            if kind == "counter" and looks_like_gauge(used, series[0].family.help):
-                kind = "gauge"
-                self._log(
-                    f"avg:{used}",
-                    logging.DEBUG,
-                    "%s: %s is typed counter but reads as an average/rate; treated as a gauge",
-                    self.engine,
-                    used,
-                )
-            for s in series:
-                value = s.value
-                if not math.isfinite(value):
-                    continue
-                if rule.valid is not None and not rule.valid[0] <= value <= rule.valid[1]:
-                    if rule.canonical not in out.invalid:
-                        out.invalid.append(rule.canonical)
-                    self._log(
-                        f"invalid:{rule.canonical}",
-                        logging.WARNING,
-                        "%s (%s): %s=%r is outside %s; sample dropped, not clipped",
-                        self.engine,
-                        self.instance,
-                        used,
-                        value,
-                        rule.valid,
-                    )
-                    continue
-                order = tuple(sorted(s.labels.items()))
-                if kind == "counter":
-                    upd = self.tracker.update((rule.canonical, order), value, force_reset)
-                    value = upd.value
-                    restarted = restarted or upd.reset
-                pending.append(
-                    _Pending(
-                        rule.canonical,
-                        rule.combine,
-                        rule.scale,
-                        self._model_of(s.labels, default_model),
-                        value,
-                        order,
-                    )
-                )
+            pending_rule, reset = self._values(rule, used, series, default_model, force_reset, out)
+            pending.extend(pending_rule)
+            restarted = restarted or reset
 
-        admitted = self._admit({p.model for p in pending if p.model is not None})
-        groups: dict[tuple[str, str | None], list[_Pending]] = {}
+        admitted = self._admit(
+            {p.model for p in pending if p.model is not None}
+            | {
+                m
+                for r, _, b, _ in histograms
+                if r.per_model
+                for m in self._models_of(b, default_model)
+            }
+        )
+        groups: dict[GroupKey, list[_Pending]] = {}
         for p in pending:
             if p.model is not None and p.model not in admitted:
                 continue
-            groups.setdefault((p.canonical, p.model), []).append(p)
-        for (canonical, model), items in groups.items():
-            self._emit(out, canonical, model, _combine(items))
+            groups.setdefault((p.canonical, p.model, p.extra), []).append(p)
+        for (canonical, model, extra), items in groups.items():
+            self._emit(out, canonical, model, _combine(items), extra)
+
+        for rule, used, buckets, sums in histograms:
+            restarted = (
+                self._histogram(out, rule, used, buckets, sums, default_model, admitted, t)
+                or restarted
+            )
 
         if self.mapping.derive is not None:
             self._derive(index, out, admitted, default_model)
+        self._window_ratios(out, t)
 
         out.models = sorted(admitted)
         if restarted:
@@ -558,28 +678,217 @@ class Normalizer:
             out.restarted = True
         return out
 
+    # -- gauges and counters -----------------------------------------------------------------
+
+    def _values(
+        self,
+        rule: Rule,
+        used: str,
+        series: list[Series],
+        default_model: str | None,
+        force_reset: bool,
+        out: NormalizedScrape,
+    ) -> tuple[list[_Pending], bool]:
+        kind = rule.kind
+        if kind == "counter" and looks_like_gauge(used, series[0].family.help):
+            kind = "gauge"
+            self._log(
+                f"avg:{used}",
+                logging.DEBUG,
+                "%s: %s is typed counter but reads as an average/rate; treated as a gauge",
+                self.engine,
+                used,
+            )
+        pending: list[_Pending] = []
+        restarted = False
+        for s in series:
+            value = s.value
+            if not math.isfinite(value):
+                continue
+            if rule.valid is not None and not rule.valid[0] <= value <= rule.valid[1]:
+                if rule.canonical not in out.invalid:
+                    out.invalid.append(rule.canonical)
+                self._log(
+                    f"invalid:{rule.canonical}",
+                    logging.WARNING,
+                    "%s (%s): %s=%r is outside %s; sample dropped, not clipped",
+                    self.engine,
+                    self.instance,
+                    used,
+                    value,
+                    rule.valid,
+                )
+                continue
+            extra = _extra_labels(rule, s.labels)
+            if extra is None:
+                continue
+            order = tuple(sorted(s.labels.items()))
+            if kind == "counter":
+                key = (rule.canonical + "|" + used, order)
+                upd = self.tracker.update(key, value, force_reset)
+                value = upd.value
+                restarted = restarted or upd.reset
+            model = self._model_of(s.labels, default_model) if rule.per_model else None
+            pending.append(
+                _Pending(rule.canonical, rule.combine, rule.scale, model, extra, value, order)
+            )
+        return pending, restarted
+
     def _resolve(self, index: MetricIndex, rule: Rule) -> tuple[str, list[Series]]:
         """The first source with a sample matching ``rule.labels``, and those samples."""
         for source in rule.sources:
-            used, series, duplicate = index.find(source)
-            if rule.labels:
-                series = [s for s in series if _matches(s.labels, rule.labels)]
+            name, wanted = parse_source(source)
+            used, series, duplicate = index.find(name)
+            wanted = rule.labels + wanted
+            if wanted:
+                series = [s for s in series if _matches(s.labels, wanted)]
             if not series:
                 continue
             if duplicate:
-                self._log(
-                    f"dup:{source}",
-                    logging.WARNING,
-                    "%s (%s): both %s and its %s spelling are exported; using %s, "
-                    "never summing them",
-                    self.engine,
-                    self.instance,
-                    source,
-                    name_variants(source)[-1],
-                    used,
-                )
+                self._warn_duplicate(name, used)
             return used, series
         return rule.sources[0] if rule.sources else "", []
+
+    def _warn_duplicate(self, source: str, used: str) -> None:
+        self._log(
+            f"dup:{source}",
+            logging.WARNING,
+            "%s (%s): both %s and its %s spelling are exported; using %s, never summing them",
+            self.engine,
+            self.instance,
+            source,
+            name_variants(source)[-1],
+            used,
+        )
+
+    # -- histograms --------------------------------------------------------------------------
+
+    def _resolve_histogram(
+        self, index: MetricIndex, rule: Rule
+    ) -> tuple[str, list[Series], list[Series]]:
+        for source in rule.sources:
+            name, wanted = parse_source(source)
+            used, buckets, sums, duplicate = index.histogram(name)
+            wanted = rule.labels + wanted
+            if wanted:
+                buckets = [s for s in buckets if _matches(s.labels, wanted)]
+                sums = [s for s in sums if _matches(s.labels, wanted)]
+            if not buckets:
+                continue
+            if duplicate:
+                self._warn_duplicate(name, used)
+            return used, buckets, sums
+        return "", [], []
+
+    def _models_of(self, buckets: list[Series], default_model: str | None) -> set[str]:
+        models = {self._model_of(s.labels, default_model) for s in buckets}
+        return {m for m in models if m is not None}
+
+    def _histogram(
+        self,
+        out: NormalizedScrape,
+        rule: Rule,
+        used: str,
+        buckets: list[Series],
+        sums: list[Series],
+        default_model: str | None,
+        admitted: set[str],
+        now: float,
+    ) -> bool:
+        """Window one histogram rule's series and emit its quantiles; True on a reset."""
+        raw: dict[LabelPairs, list[tuple[float, float]]] = {}
+        for s in buckets:
+            le = _parse_le(s.labels.get("le"))
+            if le is None or not math.isfinite(s.value):
+                continue
+            key = tuple(sorted((k, v) for k, v in s.labels.items() if k != "le"))
+            raw.setdefault(key, []).append((le * rule.scale if math.isfinite(le) else le, s.value))
+        sum_of = {tuple(sorted(s.labels.items())): s.value for s in sums}
+        reset_seen = False
+        group_deltas: dict[tuple[str | None, LabelPairs], list[HistogramSnapshot | None]] = {}
+        for key, pairs in raw.items():
+            labels = dict(key)
+            extra = _extra_labels(rule, labels)
+            if extra is None:
+                continue
+            model = self._model_of(labels, default_model) if rule.per_model else None
+            if model is not None and model not in admitted:
+                continue
+            total = sum_of.get(key)
+            snap = HistogramSnapshot.from_buckets(
+                pairs, None if total is None else total * rule.scale
+            )
+            if snap is None:
+                continue
+            window = self._window_for(rule.canonical + "|" + used, extra, key)
+            if window is None:
+                continue
+            if window.update(now, snap):
+                reset_seen = True
+            group_deltas.setdefault((model, extra), []).append(window.window(now))
+        for (model, extra), deltas in group_deltas.items():
+            delta = sum_windows(deltas)
+            for q in rule.quantiles:
+                value = window_quantile(delta, q, rule.min_count)
+                if value is not None:
+                    self._emit(out, rule.canonical, model, value, (*extra, ("percentile", _pct(q))))
+        return reset_seen
+
+    def _window_for(
+        self, name: str, extra: LabelPairs, key: LabelPairs
+    ) -> WindowedHistogram | None:
+        hkey = (name, extra, key)
+        entry = self._hist.get(hkey)
+        if entry is None:
+            if len(self._hist) >= MAX_HISTOGRAM_SERIES:
+                self._forget_histograms()
+            if len(self._hist) >= MAX_HISTOGRAM_SERIES:
+                self._log(
+                    "hist-cap",
+                    logging.WARNING,
+                    "%s (%s): more than %d histogram series; further ones get no quantiles",
+                    self.engine,
+                    self.instance,
+                    MAX_HISTOGRAM_SERIES,
+                )
+                return None
+            entry = (WindowedHistogram(self.window_s), self._scrape)
+        self._hist[hkey] = (entry[0], self._scrape)
+        return entry[0]
+
+    def _forget_histograms(self) -> None:
+        cutoff = self._scrape - 600
+        for k in [k for k, (_, seen) in self._hist.items() if seen < cutoff]:
+            del self._hist[k]
+
+    # -- window ratios ---------------------------------------------------------------------------
+
+    def _window_ratios(self, out: NormalizedScrape, now: float) -> None:
+        if not self.mapping.ratios:
+            return
+        values: dict[tuple[str, str | None], float] = {}
+        plain = out.emitted_labels.get((), set())
+        for smp in out.samples:
+            labels = dict(smp.labels)
+            if labels.keys() <= _BASE_LABELS and (smp.name, labels.get("model")) in plain:
+                values[(smp.name, labels.get("model"))] = smp.value
+        for ratio in self.mapping.ratios:
+            for (name, model), num in list(values.items()):
+                if name != ratio.numerator:
+                    continue
+                den = values.get((ratio.denominator, model))
+                if den is None or out.has(ratio.canonical, model):
+                    continue
+                ring = self._ratios.setdefault((ratio.canonical, model), deque(maxlen=4096))
+                ring.append((now, num, den))
+                while len(ring) >= 2 and ring[1][0] <= now - ratio.window_s:
+                    ring.popleft()
+                t0, num0, den0 = ring[0]
+                d_num, d_den = num - num0, den - den0
+                if t0 < now and d_den > 0 and 0 <= d_num <= d_den:
+                    self._emit(out, ratio.canonical, model, d_num / d_den)
+
+    # -- models and emission -----------------------------------------------------------------
 
     def _model_of(self, labels: Mapping[str, str], default: str | None) -> str | None:
         for name in self.mapping.model_labels:
@@ -627,20 +936,99 @@ class Normalizer:
             if d.model is not None and d.model not in admitted:
                 continue  # a model the rules did not admit (or over the cap)
             model = d.model if d.model is not None else sole
-            if not math.isfinite(d.value) or (d.canonical, model) in out.emitted:
+            if not math.isfinite(d.value) or (d.canonical, model) in out.emitted_labels.get(
+                d.labels, set()
+            ):
                 continue
-            self._emit(out, d.canonical, model, d.value)
+            self._emit(out, d.canonical, model, d.value, d.labels)
 
-    def _emit(self, out: NormalizedScrape, canonical: str, model: str | None, value: float) -> None:
+    def _emit(
+        self,
+        out: NormalizedScrape,
+        canonical: str,
+        model: str | None,
+        value: float,
+        extra: LabelPairs = (),
+    ) -> None:
         if not math.isfinite(value):
             return
-        labels = make_labels({"engine": self.engine, "instance": self.instance, "model": model})
+        labels = make_labels(
+            {"engine": self.engine, "instance": self.instance, "model": model, **dict(extra)}
+        )
         out.samples.append(Sample(canonical, float(value), labels))
         out.emitted.add((canonical, model))
+        out.emitted_labels.setdefault(extra, set()).add((canonical, model))
 
 
-def _matches(labels: Mapping[str, str], required: tuple[tuple[str, str], ...]) -> bool:
-    return all(labels.get(k) == v for k, v in required)
+@functools.lru_cache(maxsize=1024)
+def parse_source(source: str) -> tuple[str, LabelPairs]:
+    """Split a rule source into its metric name and label filter.
+
+    Args:
+        source: ``name`` or ``name{label=value,label=a|b,label=prefix*}`` (no quotes;
+            values may not contain ``,`` or ``}``).
+
+    Returns:
+        ``(name, ((label, value), ...))``; a malformed filter is ignored (no filter).
+    """
+    if not source.endswith("}") or "{" not in source:
+        return source, ()
+    name, _, body = source[:-1].partition("{")
+    pairs: list[tuple[str, str]] = []
+    for item in body.split(","):
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            return name, ()
+        pairs.append((key.strip(), value.strip().strip('"')))
+    return name, tuple(pairs)
+
+
+def _parse_le(value: str | None) -> float | None:
+    if value is None:
+        return None
+    try:
+        le = float(value)
+    except ValueError:
+        return None
+    return None if math.isnan(le) else le
+
+
+def _pct(q: float) -> str:
+    """The ``percentile`` label value of quantile ``q``: ``p50``, ``p95``, ``p99``, ``p99.9``.
+
+    Not a ``quantile`` label: ``promtool check metrics`` reserves that for summaries, and
+    these are gauges computed from histogram windows.
+    """
+    return f"p{q * 100:.10g}"
+
+
+def _value_matches(actual: str | None, wanted: str) -> bool:
+    if actual is None:
+        return False
+    for alt in wanted.split("|"):
+        if alt.endswith("*"):
+            if actual.startswith(alt[:-1]):
+                return True
+        elif actual == alt:
+            return True
+    return False
+
+
+def _matches(labels: Mapping[str, str], required: LabelPairs) -> bool:
+    return all(_value_matches(labels.get(k), v) for k, v in required)
+
+
+def _extra_labels(rule: Rule, labels: Mapping[str, str]) -> LabelPairs | None:
+    """The rule's constant labels plus the kept source labels; None when one is missing."""
+    if not rule.keep_labels:
+        return rule.out_labels
+    kept: list[tuple[str, str]] = list(rule.out_labels)
+    for src, dst in rule.keep_labels:
+        value = labels.get(src)
+        if not value:
+            return None
+        kept.append((dst, value))
+    return tuple(kept)
 
 
 def _combine(items: list[_Pending]) -> float:

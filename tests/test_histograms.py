@@ -1,0 +1,207 @@
+"""Windowed quantiles from cumulative histograms: interpolation, windows, resets, sparse windows."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from agent.requests.histograms import (
+    HistogramSnapshot,
+    WindowedHistogram,
+    histogram_quantile,
+    sum_windows,
+    window_quantile,
+)
+
+INF = math.inf
+BOUNDS = (0.1, 0.5, 1.0, 5.0, INF)
+
+
+def snap(*cumulative: float, bounds: tuple[float, ...] = BOUNDS) -> HistogramSnapshot:
+    return HistogramSnapshot(bounds, tuple(float(c) for c in cumulative))
+
+
+# --- histogram_quantile: Prometheus semantics ------------------------------------------------
+
+
+def test_linear_interpolation_inside_the_bucket() -> None:
+    # 10 observations: 2 in (0, 0.1], 6 in (0.1, 0.5], 2 in (0.5, 1]
+    cum = (2, 8, 10, 10, 10)
+    # rank 5 is the 3rd of 6 in (0.1, 0.5]: 0.1 + 0.4 * 3/6
+    assert histogram_quantile(0.5, BOUNDS, cum) == pytest.approx(0.3)
+    # rank 9.5 is 1.5 of 2 in (0.5, 1]
+    assert histogram_quantile(0.95, BOUNDS, cum) == pytest.approx(0.875)
+    # the lowest bucket starts at 0
+    assert histogram_quantile(0.1, BOUNDS, cum) == pytest.approx(0.05)
+
+
+def test_rank_in_the_inf_bucket_returns_the_highest_finite_bound() -> None:
+    assert histogram_quantile(0.99, BOUNDS, (0, 0, 0, 1, 10)) == 5.0
+
+
+def test_lowest_bucket_with_non_positive_bound_returns_the_bound() -> None:
+    assert histogram_quantile(0.5, (0.0, 1.0, INF), (4, 4, 4)) == 0.0
+
+
+@pytest.mark.parametrize(
+    ("q", "bounds", "cum"),
+    [
+        (0.5, BOUNDS, (0, 0, 0, 0, 0)),  # empty
+        (0.5, (0.1, 0.5, 1.0), (1, 2, 3)),  # no +Inf bucket
+        (1.5, BOUNDS, (1, 2, 3, 4, 5)),  # q out of range
+        (-0.1, BOUNDS, (1, 2, 3, 4, 5)),
+        (0.5, (INF,), (3,)),  # a single bucket
+    ],
+)
+def test_no_answer(q: float, bounds: tuple[float, ...], cum: tuple[float, ...]) -> None:
+    assert histogram_quantile(q, bounds, cum) is None
+
+
+def test_from_buckets_sorts_and_enforces_monotonic_counts() -> None:
+    s = HistogramSnapshot.from_buckets([(INF, 10), (0.5, 4), (0.1, 5), (1.0, 9), (5.0, 10)])
+    assert s is not None
+    assert s.bounds == (0.1, 0.5, 1.0, 5.0, INF)
+    assert s.cumulative == (5, 5, 9, 10, 10)  # 4 after 5 raised to 5, as Prometheus does
+    assert HistogramSnapshot.from_buckets([(0.5, 1)]) is None  # no +Inf
+    assert HistogramSnapshot.from_buckets([(INF, -1)]) is None
+    assert HistogramSnapshot.from_buckets([(math.nan, 1), (INF, 1)]) is None
+
+
+# --- windows -------------------------------------------------------------------------------
+
+
+def test_first_snapshot_only_opens_the_window() -> None:
+    w = WindowedHistogram(60)
+    w.update(0, snap(100, 200, 300, 300, 300))
+    assert w.window() is None
+    assert w.quantile(0.5) is None
+
+
+def test_window_is_the_delta_over_the_last_60s() -> None:
+    w = WindowedHistogram(60)
+    w.update(0, snap(100, 100, 100, 100, 100))  # old, fast observations
+    w.update(30, snap(100, 100, 100, 110, 110))  # 10 slow ones in (1, 5]
+    delta = w.window()
+    assert delta is not None and delta.count == 10
+    assert w.quantile(0.5) == pytest.approx(3.0)
+    # 61 s after the slow ones, with nothing new: the window holds nothing
+    w.update(91, snap(100, 100, 100, 110, 110))
+    w.update(92, snap(100, 100, 100, 110, 110))
+    delta = w.window()
+    assert delta is not None and delta.count == 0
+    assert w.quantile(0.5) is None
+
+
+def test_window_baseline_is_the_last_snapshot_at_or_before_the_cutoff() -> None:
+    w = WindowedHistogram(60)
+    for t, n in [(0, 0), (20, 10), (40, 20), (70, 30)]:
+        w.update(t, snap(n, n, n, n, n))
+    # at t=70 the cutoff is 10: the baseline is t=0 (the last at or before it)
+    delta = w.window(now=70)
+    assert delta is not None and delta.count == 30
+    delta = w.window(now=100)
+    assert delta is not None and delta.count == 10  # baseline t=40
+
+
+def test_sparse_window_gives_no_quantile() -> None:
+    w = WindowedHistogram(60)
+    w.update(0, snap(0, 0, 0, 0, 0))
+    w.update(10, snap(0, 4, 4, 4, 4))
+    assert w.quantile(0.5, min_count=5) is None
+    assert w.quantile(0.5, min_count=4) == pytest.approx(0.3)
+    w.update(20, snap(0, 5, 5, 5, 5))
+    assert w.quantile(0.5, min_count=5) == pytest.approx(0.3)
+
+
+def test_reset_restarts_the_window_from_post_reset_values_never_negative() -> None:
+    w = WindowedHistogram(60)
+    w.update(0, snap(1000, 2000, 3000, 3000, 3000))
+    w.update(10, snap(1000, 2000, 3000, 3100, 3100))
+    # engine restart: every bucket fell; 6 observations since, all in (0.5, 1]
+    assert w.update(20, snap(0, 0, 6, 6, 6)) is True
+    assert w.resets == 1
+    delta = w.window()
+    assert delta is not None
+    assert delta.cumulative == (0, 0, 6, 6, 6)
+    assert all(c >= 0 for c in delta.cumulative)
+    assert w.quantile(0.5) == pytest.approx(0.75)
+    # later scrapes keep counting from the post-reset values
+    w.update(30, snap(0, 0, 8, 8, 8))
+    delta = w.window()
+    assert delta is not None and delta.count == 8
+
+
+def test_one_bucket_decreasing_is_a_reset() -> None:
+    w = WindowedHistogram(60)
+    w.update(0, snap(5, 5, 5, 5, 5))
+    assert w.update(1, snap(4, 6, 6, 6, 6)) is True
+
+
+def test_bucket_layout_change_is_a_reset() -> None:
+    w = WindowedHistogram(60)
+    w.update(0, snap(5, 5, 5, 5, 5))
+    assert w.update(1, snap(1, 2, 2, bounds=(1.0, 2.0, INF))) is True
+    delta = w.window()
+    assert delta is not None and delta.bounds == (1.0, 2.0, INF) and delta.count == 2
+
+
+def test_time_going_backwards_is_ignored() -> None:
+    w = WindowedHistogram(60)
+    w.update(10, snap(0, 0, 0, 0, 0))
+    w.update(20, snap(0, 10, 10, 10, 10))
+    assert w.update(5, snap(0, 0, 0, 0, 0)) is False
+    delta = w.window()
+    assert delta is not None and delta.count == 10
+
+
+def test_ring_is_bounded() -> None:
+    w = WindowedHistogram(1e9, max_snapshots=4)
+    for t in range(100):
+        w.update(float(t), snap(t, t, t, t, t))
+    delta = w.window()
+    assert delta is not None and delta.count == 3  # 99 - 96
+
+
+def test_sum_windows_adds_ranks_and_skips_other_layouts() -> None:
+    a = snap(1, 2, 3, 3, 3)
+    b = snap(0, 1, 1, 1, 2)
+    other = snap(1, 1, 1, bounds=(1.0, 2.0, INF))
+    total = sum_windows([a, None, b, other])
+    assert total is not None and total.cumulative == (1, 3, 4, 4, 5)
+    assert sum_windows([None]) is None
+    assert window_quantile(None, 0.5) is None
+
+
+# --- properties -------------------------------------------------------------------------------
+
+
+counts = st.lists(st.integers(0, 1000), min_size=5, max_size=5)
+
+
+@settings(max_examples=300, deadline=None, database=None)
+@given(
+    steps=st.lists(st.tuples(st.floats(0, 100), counts), min_size=1, max_size=30),
+    q=st.sampled_from([0.5, 0.95, 0.99]),
+)
+def test_windows_are_never_negative_and_quantiles_stay_in_range(
+    steps: list[tuple[float, list[int]]], q: float
+) -> None:
+    w = WindowedHistogram(60)
+    t = 0.0
+    for dt, per_bucket in steps:
+        t += dt
+        cum: list[float] = []
+        running = 0.0
+        for c in per_bucket:
+            running += c
+            cum.append(running)
+        w.update(t, HistogramSnapshot(BOUNDS, tuple(cum)))
+        delta = w.window()
+        if delta is not None:
+            assert all(c >= 0 for c in delta.cumulative)
+        value = w.quantile(q, min_count=1)
+        if value is not None:
+            assert 0.0 <= value <= 5.0
