@@ -438,6 +438,6 @@ def test_slot_usage_counts_processing_slots_capped_at_their_context() -> None:
 def test_parse_props_of_the_capture() -> None:
     props = parse_props(json.loads((LLAMA / "props.json").read_text()))
     assert props is not None
-    assert props.model == "/models/gemma-3-270m-q4_k_m.gguf"
+    assert props.model == "gemma-3-270m-q4_k_m.gguf"
     assert (props.n_ctx, props.total_slots, props.endpoint_slots) == (512, 4, True)
     assert parse_props([]) is None

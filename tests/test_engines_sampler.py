@@ -189,7 +189,7 @@ def serve_llama(stub: EngineStub, state: str) -> None:
 
 # --- golden: the four captures ---------------------------------------------------------------
 
-LLAMA_MODEL = "/models/gemma-3-270m-q4_k_m.gguf"
+LLAMA_MODEL = "gemma-3-270m-q4_k_m.gguf"
 
 
 def test_llamacpp_load_capture_golden(stub: EngineStub, samplers: list[EngineSampler]) -> None:

@@ -171,7 +171,8 @@ class Props:
     """What the sampler keeps from ``GET /props``.
 
     Attributes:
-        model: ``model_alias`` (else ``model_path``), the ``model`` label.
+        model: ``model_alias`` (else ``model_path``), the ``model`` label; a path is
+            reduced to its file name.
         n_ctx: per-slot context size in tokens (``default_generation_settings.n_ctx``).
         total_slots: number of slots (``total_slots``).
         endpoint_slots: whether ``/slots`` is enabled (``endpoint_slots``); ``None`` if
@@ -189,6 +190,10 @@ def parse_props(data: object) -> Props | None:
     if not isinstance(data, dict):
         return None
     model = data.get("model_alias") or data.get("model_path")
+    if isinstance(model, str) and "/" in model:
+        # llama-server reports the GGUF path as the alias when none is set; the file name
+        # names the model and keeps host-specific directories out of the label.
+        model = model.rstrip("/").rsplit("/", 1)[-1]
     settings = data.get("default_generation_settings")
     n_ctx = _count(settings.get("n_ctx")) if isinstance(settings, dict) else None
     endpoint_slots = data.get("endpoint_slots")
