@@ -13,12 +13,14 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from aiohttp import web
 from prometheus_client.registry import CollectorRegistry
 
 from agent import __version__
+from agent.attribution.store import AttributionStore
 from agent.state import AgentState
 from exporters.prometheus import render
 
@@ -53,13 +55,19 @@ def snapshot(state: AgentState) -> dict[str, Any]:
     }
 
 
-def make_app(state: AgentState, registry: CollectorRegistry) -> web.Application:
+def make_app(
+    state: AgentState,
+    registry: CollectorRegistry,
+    routes: Sequence[web.AbstractRouteDef] = (),
+) -> web.Application:
     """Build the aiohttp application serving ``state``.
 
     Args:
         state: the agent state to expose.
         registry: the registry holding the snapshot collector (see
             :func:`exporters.prometheus.make_registry`).
+        routes: extra routes served on the same listener (e.g. the OTLP trace receiver's
+            ``POST /v1/traces``).
     """
 
     async def metrics(request: web.Request) -> web.Response:
@@ -74,8 +82,36 @@ def make_app(state: AgentState, registry: CollectorRegistry) -> web.Application:
     async def snap(_: web.Request) -> web.Response:
         return web.json_response(snapshot(state))
 
-    app = web.Application(client_max_size=1 << 20)
+    # Request bodies reach the handlers as sent: the OTLP receiver decompresses gzip itself,
+    # under its own size limit (otlp_receiver.max_body_bytes) and with its own errors.
+    app = web.Application(client_max_size=1 << 20, handler_args={"auto_decompress": False})
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/api/v1/snapshot", snap)
+    app.router.add_routes(routes)
     return app
+
+
+def attribution_routes(store: AttributionStore, window_s: float) -> list[web.RouteDef]:
+    """``GET /api/v1/attributions?since=10m[&engine=E][&limit=N]`` for ``kvpressure explain``.
+
+    ``since`` is a duration (``600``, ``90s``, ``10m``, ``1h``; default ``10m``); the answer
+    is :meth:`agent.attribution.store.AttributionStore.query`'s document. A bad parameter is
+    answered 400 with ``{"error": ...}``.
+    """
+    from agent.attribution.explain import parse_since
+
+    async def attributions(request: web.Request) -> web.Response:
+        q = request.query
+        try:
+            since_s = parse_since(q.get("since", "10m"))
+            limit = int(q.get("limit", "100"))
+        except ValueError as exc:
+            return web.json_response({"error": str(exc)}, status=400)
+        now = time.time()
+        doc = store.query(
+            now - since_s, now, engine=q.get("engine") or None, limit=limit, window_s=window_s
+        )
+        return web.json_response(doc)
+
+    return [web.get("/api/v1/attributions", attributions)]

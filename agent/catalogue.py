@@ -380,7 +380,7 @@ _ALL: tuple[Metric, ...] = (
         "Memory per tier: tier=dram (NUMA node with CPUs), cxl (CPU-less NUMA node), swap; "
         "state=total|used|free. From /sys/devices/system/node/node*/meminfo and /proc/meminfo; "
         "node is absent for swap, and for dram when there is no NUMA sysfs.",
-        ("tier", "node", "state"),
+        ("tier", "node", "state", "engine", "instance"),
         "",
         "host",
     ),
@@ -734,6 +734,473 @@ _ALL: tuple[Metric, ...] = (
         ENGINE_LABELS,
         "",
         "engine",
+    ),
+    # --- engines: queues, KV capacity and tiers, latency (issue 3) ----------------------
+    _m(
+        "kvpressure_engine_requests_waiting_by_reason",
+        "gauge",
+        "requests",
+        "Waiting requests by reason (vLLM num_requests_waiting_by_reason: capacity = waiting "
+        "for KV or batch room, deferred = LoRA budget, KV transfer, blocked).",
+        (*ENGINE_LABELS, "reason"),
+        "",
+        "engine",
+    ),
+    _m(
+        "kvpressure_engine_requests_paused",
+        "gauge",
+        "requests",
+        "Requests paused by the scheduler (TensorRT-LLM num_paused_requests, Triton "
+        "inflight_batcher paused_requests).",
+        ENGINE_LABELS,
+        "",
+        "engine",
+    ),
+    _m(
+        "kvpressure_engine_requests_rejected_total",
+        "counter",
+        "1",
+        "Requests refused at admission by a queue limit, by reason (vLLM admission_rejections).",
+        (*ENGINE_LABELS, "reason"),
+        "",
+        "engine",
+    ),
+    _m(
+        "kvpressure_engine_requests_completed_total",
+        "counter",
+        "1",
+        "Requests the engine finished (vLLM request_success, SGLang num_requests, TGI "
+        "request_success, TensorRT-LLM request_success, Triton nv_inference_request_success).",
+        ENGINE_LABELS,
+        "",
+        "engine",
+    ),
+    _m(
+        "kvpressure_engine_external_prefix_cache_queried_tokens_total",
+        "counter",
+        "tokens",
+        "Prompt tokens looked up in an external KV cache through a KV connector (vLLM "
+        "external_prefix_cache_queries; LMCache num_requested_tokens).",
+        ENGINE_LABELS,
+        "",
+        "engine",
+    ),
+    _m(
+        "kvpressure_engine_external_prefix_cache_hit_tokens_total",
+        "counter",
+        "tokens",
+        "Prompt tokens served from an external KV cache through a KV connector (vLLM "
+        "external_prefix_cache_hits; LMCache num_hit_tokens; Dynamo KVBM matched_tokens).",
+        ENGINE_LABELS,
+        "",
+        "engine",
+    ),
+    _m(
+        "kvpressure_engine_prefix_cache_hit_ratio",
+        "gauge",
+        "ratio",
+        "Prefix-cache hit ratio: hit / queried prompt tokens over the last 60 s where the "
+        "engine counts both (vLLM), else the engine's own hit-rate gauge (SGLang "
+        "cache_hit_rate, TensorRT-LLM kv_cache_hit_rate).",
+        ENGINE_LABELS,
+        "",
+        "engine",
+    ),
+    _m(
+        "kvpressure_engine_prefix_cache_tier_hit_tokens_total",
+        "counter",
+        "tokens",
+        "Cached prompt tokens by the tier that supplied them: device, kv_host, kv_disk, "
+        "kv_remote, p2p, external (vLLM prompt_tokens_cached_by_source, SGLang "
+        "cached_tokens{cache_source}, TensorRT-LLM prompt_cache_hit_tokens{cache_tier}, "
+        "LMCache l2/l3/remote hit tokens).",
+        (*ENGINE_LABELS, "tier"),
+        "",
+        "engine",
+    ),
+    _m(
+        "kvpressure_engine_kv_cache_evictable_tokens",
+        "gauge",
+        "tokens",
+        "KV-cache tokens held only for prefix reuse and evictable on demand (SGLang "
+        "kv_evictable_tokens).",
+        ENGINE_LABELS,
+        "",
+        "engine",
+    ),
+    _m(
+        "kvpressure_engine_kv_cache_free_tokens",
+        "gauge",
+        "tokens",
+        "Free KV-cache tokens (SGLang kv_available_tokens; TensorRT-LLM free blocks x tokens "
+        "per block).",
+        ENGINE_LABELS,
+        "",
+        "engine",
+    ),
+    _m(
+        "kvpressure_engine_kv_cache_block_size_tokens",
+        "gauge",
+        "tokens",
+        "Tokens per KV-cache block (vLLM cache_config_info block_size, TensorRT-LLM "
+        "kv_cache_tokens_per_block, Triton kv_cache_block_metrics tokens_per).",
+        ENGINE_LABELS,
+        "",
+        "engine",
+    ),
+    _m(
+        "kvpressure_engine_kv_cache_blocks",
+        "gauge",
+        "1",
+        "KV-cache blocks by state=total|used|free (vLLM cache_config_info num_gpu_blocks; "
+        "TensorRT-LLM kv_cache_{max,used,free}_blocks; Triton kv_cache_block_metrics).",
+        (*ENGINE_LABELS, "state"),
+        "",
+        "engine",
+    ),
+    _m(
+        "kvpressure_engine_kv_cache_capacity_bytes",
+        "gauge",
+        "bytes",
+        "Memory given to the KV cache (vLLM cache_config_info kv_cache_memory_bytes, when set).",
+        ENGINE_LABELS,
+        "",
+        "engine",
+    ),
+    _m(
+        "kvpressure_engine_kv_cache_max_concurrency",
+        "gauge",
+        "requests",
+        "Requests of full model length the KV cache holds at once (vLLM cache_config_info "
+        "kv_cache_max_concurrency).",
+        ENGINE_LABELS,
+        "",
+        "engine",
+    ),
+    _m(
+        "kvpressure_engine_kv_tier_usage_ratio",
+        "gauge",
+        "ratio",
+        "Fill of an offload tier's KV pool, tier=kv_host|kv_disk (vLLM "
+        "kv_offload_cpu_cache_usage_perc, TensorRT-LLM kv_cache_host_utilization).",
+        (*ENGINE_LABELS, "tier"),
+        "",
+        "engine",
+    ),
+    _m(
+        "kvpressure_engine_kv_tier_hit_ratio",
+        "gauge",
+        "ratio",
+        "Hit ratio of an offload tier as the source reports it (Dynamo KVBM "
+        "host_cache_hit_rate/disk_cache_hit_rate, LMCache retrieve_hit_rate).",
+        (*ENGINE_LABELS, "tier"),
+        "",
+        "engine",
+    ),
+    _m(
+        "kvpressure_engine_kv_offload_bytes_total",
+        "counter",
+        "bytes",
+        "KV bytes moved between the device and an offload tier, direction=offload (device "
+        "to tier) or onboard (tier to device) (vLLM kv_offload_store/load_bytes, "
+        "TensorRT-LLM kv_cache_offload/onboard_bytes, LMCache remote write/read bytes).",
+        (*ENGINE_LABELS, "tier", "direction"),
+        "",
+        "engine",
+    ),
+    _m(
+        "kvpressure_engine_kv_offload_blocks_total",
+        "counter",
+        "1",
+        "KV blocks moved to (offload) or from (onboard) an offload tier (Dynamo KVBM "
+        "offload_blocks_*/onboard_blocks_*).",
+        (*ENGINE_LABELS, "tier", "direction"),
+        "",
+        "engine",
+    ),
+    _m(
+        "kvpressure_engine_kv_offload_tokens_total",
+        "counter",
+        "tokens",
+        "KV tokens moved to (offload) or from (onboard) an offload tier (SGLang HiCache "
+        "evicted_tokens/load_back_tokens).",
+        (*ENGINE_LABELS, "tier", "direction"),
+        "",
+        "engine",
+    ),
+    _m(
+        "kvpressure_engine_kv_tier_evictions_total",
+        "counter",
+        "1",
+        "Evictions from an offload tier (LMCache local_cpu_evict_count).",
+        (*ENGINE_LABELS, "tier"),
+        "",
+        "engine",
+    ),
+    _m(
+        "kvpressure_engine_batch_max_tokens",
+        "gauge",
+        "tokens",
+        "Token budget of the running batch (TGI batch_current_max_tokens, TensorRT-LLM "
+        "max_num_tokens_runtime).",
+        ENGINE_LABELS,
+        "",
+        "engine",
+    ),
+    _m(
+        "kvpressure_engine_latency_seconds",
+        "gauge",
+        "seconds",
+        "Windowed latency percentiles (p50, p95, p99) from the engine's histograms over the "
+        "last 60 s, absent with fewer than 5 observations; phase=ttft|itl|e2e|queue|"
+        "prefill|decode|inference|batch_prefill|batch_decode.",
+        (*ENGINE_LABELS, "phase", "percentile"),
+        "",
+        "engine",
+    ),
+    _m(
+        "kvpressure_engine_kv_block_residency_seconds",
+        "gauge",
+        "seconds",
+        "Windowed percentiles (p50, p95, p99) of KV block residency, event=lifetime|"
+        "idle_before_evict|reuse_gap (vLLM --kv-cache-metrics histograms), absent when off.",
+        (*ENGINE_LABELS, "event", "percentile"),
+        "",
+        "engine",
+    ),
+    _m(
+        "kvpressure_engine_request_duration_seconds_total",
+        "counter",
+        "seconds",
+        "Cumulative request time by phase=request|queue|compute (Triton "
+        "nv_inference_*_duration_us, microseconds converted to seconds).",
+        (*ENGINE_LABELS, "phase"),
+        "",
+        "engine",
+    ),
+    # --- requests -----------------------------------------------------------------------
+    _m(
+        "kvpressure_request_latency_seconds",
+        "histogram",
+        "seconds",
+        "Per-request latency by phase (ttft, e2e, itl, queue, prefill, decode), from the request "
+        "proxies (TTFT = first content chunk, itl = each gap between content chunks) and "
+        "OTLP spans (vLLM gen_ai.latency.*, GenAI client spans, TGI). Buckets 1 ms to 120 s.",
+        ("engine", "phase"),
+        "",
+        "requests",
+    ),
+    _m(
+        "kvpressure_requests_total",
+        "counter",
+        "1",
+        "Finished requests by outcome (ok, client_error, server_error, upstream_down, "
+        "cancelled, context_exceeded = llama.cpp exceed_context_size_error, kv_exhausted = "
+        "llama.cpp 'Context size has been exceeded').",
+        ("engine", "outcome"),
+        "",
+        "requests",
+    ),
+    _m(
+        "kvpressure_request_tokens_total",
+        "counter",
+        "tokens",
+        "Tokens of finished requests by direction (input, output, cached; cached is the part of "
+        "input served from the prefix cache), from OpenAI usage, llama.cpp timings or spans.",
+        ("engine", "direction"),
+        "",
+        "requests",
+    ),
+    _m(
+        "kvpressure_proxy_upstream_connect_seconds",
+        "histogram",
+        "seconds",
+        "TCP connect time from a request proxy to its engine, for requests that opened a new "
+        "connection (aiohttp TraceConfig).",
+        ("engine",),
+        "",
+        "requests",
+    ),
+    _m(
+        "kvpressure_request_records_dropped_total",
+        "counter",
+        "1",
+        "Request records dropped because a consumer's bounded queue was full.",
+        ("consumer",),
+        "",
+        "requests",
+    ),
+    _m(
+        "kvpressure_otlp_requests_total",
+        "counter",
+        "1",
+        "OTLP/HTTP trace exports received at /v1/traces by result (ok, partial, bad_request, "
+        "too_large, unsupported_media_type).",
+        ("result",),
+        "",
+        "requests",
+    ),
+    _m(
+        "kvpressure_otlp_spans_received_total",
+        "counter",
+        "1",
+        "Spans in decoded OTLP exports by result: record (became a request record), ignored "
+        "(not an LLM request span), rejected (LLM span with unusable values; partial_success).",
+        ("result",),
+        "",
+        "requests",
+    ),
+    # --- capacity -----------------------------------------------------------------------
+    _m(
+        "kvpressure_kv_bytes_per_token",
+        "gauge",
+        "bytes",
+        "KV-cache bytes one token occupies in every attention layer of the served model "
+        "(2 x attention layers x KV heads x head dim x KV dtype bytes; MLA: latent width), from "
+        "the configured GGUF or HF config.json, or llama.cpp's model_path GGUF.",
+        ("engine", "model"),
+        "",
+        "capacity",
+    ),
+    _m(
+        "kvpressure_kv_headroom_tokens",
+        "gauge",
+        "tokens",
+        "KV-cache tokens still free: capacity - used tokens (vLLM: capacity x (1 - usage ratio)).",
+        ("engine",),
+        "",
+        "capacity",
+    ),
+    _m(
+        "kvpressure_kv_headroom_bytes",
+        "gauge",
+        "bytes",
+        "KV-cache headroom in bytes: headroom tokens x kvpressure_kv_bytes_per_token.",
+        ("engine",),
+        "",
+        "capacity",
+    ),
+    _m(
+        "kvpressure_kv_request_tokens",
+        "gauge",
+        "tokens",
+        "KV-cache tokens per running request: used tokens / running requests; absent when "
+        "nothing runs.",
+        ("engine",),
+        "",
+        "capacity",
+    ),
+    _m(
+        "kvpressure_kv_saturation_concurrency",
+        "gauge",
+        "requests",
+        "Concurrent requests that fit: KV capacity / tokens per request at its largest (mean "
+        "prompt + output tokens of requests finished in the capacity window, else the window's "
+        "peak of used tokens / running requests), capped at the slot count where the engine "
+        "has slots (llama.cpp); absent when nothing runs.",
+        ("engine",),
+        "",
+        "capacity",
+    ),
+    _m(
+        "kvpressure_kv_time_to_saturation_seconds",
+        "gauge",
+        "seconds",
+        "Projected seconds until the KV cache is full: headroom / growth rate of used tokens "
+        "(least squares over the capacity window); absent unless used tokens grow.",
+        ("engine",),
+        "",
+        "capacity",
+    ),
+    _m(
+        "kvpressure_kv_occupancy_latency_seconds",
+        "histogram",
+        "seconds",
+        "The latency knee: TTFT and inter-token latency (phase=ttft|itl) by the KV-occupancy "
+        "band they were observed in (band=0-50|50-80|80-90|90-95|95-100, percent). From the "
+        "request stream; without one, ITL only, per cycle from the decode counters.",
+        ("engine", "phase", "band"),
+        "",
+        "capacity",
+    ),
+    _m(
+        "kvpressure_prefix_cache_saved_seconds_total",
+        "counter",
+        "seconds",
+        "Prefill seconds saved by prefix-cache hits: delta hit tokens x measured prefill "
+        "seconds per computed prompt token (engine prompt seconds / computed prompt tokens).",
+        ("engine",),
+        "",
+        "capacity",
+    ),
+    # --- attribution --------------------------------------------------------------------
+    _m(
+        "kvpressure_slow_requests_total",
+        "counter",
+        "1",
+        "Slow requests (TTFT, else e2e, above min(SLO, rolling baseline tail)) by primary "
+        "cause: memory, storage, network, compute, engine_restart, gpu_fault or unknown "
+        "(agent/attribution).",
+        ("engine", "cause"),
+        "",
+        "attribution",
+    ),
+    _m(
+        "kvpressure_attribution_score",
+        "gauge",
+        "1",
+        "Score (0-1) of each cause over the latest complete attribution window (default 10 s): "
+        "the strongest rule's weight x ramp(value, threshold, saturation); rules in the README.",
+        ("engine", "cause"),
+        "",
+        "attribution",
+    ),
+    _m(
+        "kvpressure_attribution_pending_records",
+        "gauge",
+        "1",
+        "Request records waiting to be attributed (held until their end is one sampling "
+        "interval old, or beyond the per-cycle limit).",
+        (),
+        "",
+        "attribution",
+    ),
+    _m(
+        "kvpressure_attribution_dropped_records_total",
+        "counter",
+        "1",
+        "Request records dropped unattributed because the attribution backlog was full.",
+        (),
+        "",
+        "attribution",
+    ),
+    _m(
+        "kvpressure_otlp_exported_total",
+        "counter",
+        "1",
+        "Items delivered to the OTLP endpoint by signal (traces: spans, metrics: data points).",
+        ("signal",),
+        "",
+        "attribution",
+    ),
+    _m(
+        "kvpressure_otlp_export_dropped_total",
+        "counter",
+        "1",
+        "Items the OTLP exporter dropped by signal: spans pushed out of the full queue or in a "
+        "failed export (traces), data points of a failed export (metrics).",
+        ("signal",),
+        "",
+        "attribution",
+    ),
+    _m(
+        "kvpressure_otlp_export_queue_spans",
+        "gauge",
+        "1",
+        "Spans waiting in the OTLP exporter's bounded queue.",
+        (),
+        "",
+        "attribution",
     ),
 )
 

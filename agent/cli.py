@@ -1,6 +1,7 @@
 """The ``kvpressure`` command.
 
-Subcommands: ``run``, ``check-config``, ``status``, ``default-config``, ``metrics``.
+Subcommands: ``run``, ``check-config``, ``status``, ``default-config``, ``metrics``,
+``plan``, ``explain``.
 
 Exit codes: 0 success; 1 invalid config, or no agent answering (``status``); 2 usage error.
 """
@@ -174,6 +175,38 @@ def _cmd_metrics(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from agent.capacity.plan import run_plan
+
+    return run_plan(args)
+
+
+def _cmd_explain(args: argparse.Namespace) -> int:
+    """``kvpressure explain``: exit 0, 1 when no agent answers, 2 for a bad ``--since``."""
+    import httpx
+
+    from agent.attribution.explain import parse_since, render
+
+    try:
+        since_s = parse_since(args.since)
+    except ValueError as exc:
+        print(f"kvpressure explain: --since: {exc}", file=sys.stderr)
+        return 2
+    params = {"since": f"{since_s:g}", "limit": "200"}
+    if args.engine:
+        params["engine"] = args.engine
+    url = args.url.rstrip("/") + "/api/v1/attributions"
+    try:
+        resp = httpx.get(url, params=params, timeout=args.timeout)
+        resp.raise_for_status()
+        doc = resp.json()
+    except (httpx.HTTPError, ValueError) as exc:
+        print(f"kvpressure explain: no agent answering at {args.url} ({exc})", file=sys.stderr)
+        return 1
+    print(json.dumps(doc, indent=2) if args.json else render(doc))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Return the argument parser of the ``kvpressure`` command."""
     p = argparse.ArgumentParser(prog="kvpressure", description=__doc__)
@@ -201,6 +234,47 @@ def build_parser() -> argparse.ArgumentParser:
 
     mt = sub.add_parser("metrics", help="print the metric catalogue as a Markdown table")
     mt.set_defaults(func=_cmd_metrics)
+
+    # --- capacity: kvpressure plan ----------------------------------------------------
+    pl = sub.add_parser(
+        "plan",
+        help="KV capacity what-if: per-request KV, requests that fit, doubling users, tiers",
+    )
+    src = pl.add_mutually_exclusive_group()
+    src.add_argument("--hf-config", metavar="PATH", help="Hugging Face config.json (or its dir)")
+    src.add_argument("--gguf", metavar="PATH", help="GGUF model file")
+    pl.add_argument("--agent", metavar="URL", help="running agent (live capacity, knee, GPU)")
+    pl.add_argument("--engine", help="engine label at the agent (when it sees several)")
+    pl.add_argument("--kv-dtype", default="auto", help="KV dtype (auto, f16, bf16, fp8, q8_0..)")
+    pl.add_argument("--gpu-memory", metavar="SIZE", help="memory of one accelerator, e.g. 80GiB")
+    pl.add_argument("--live-gpu", action="store_true", help="use the agent's GPU memory total")
+    pl.add_argument("--gpus", type=int, default=1, help="accelerators the model spans")
+    pl.add_argument("--memory-utilization", type=float, default=0.90, help="usable share")
+    pl.add_argument(
+        "--weights", "--weights-bytes", metavar="SIZE", help="weight bytes (default: inferred)"
+    )
+    pl.add_argument("--overhead", metavar="SIZE", help="activations per accelerator (2GiB)")
+    pl.add_argument("--context", default="2k,8k,32k", help="context lengths, e.g. 2k,8k,32k")
+    pl.add_argument("--concurrency", type=int, default=16, help="concurrent users now")
+    pl.add_argument("--output-tokens", type=int, default=256, help="output tokens per request")
+    pl.add_argument(
+        "--tier", action="append", metavar="NAME=SIZE@BW", help="offload tier, e.g. dram=512GiB"
+    )
+    pl.add_argument("--prefill-rate", type=float, metavar="S", help="prefill seconds per token")
+    pl.add_argument("--swa-full", action="store_true", help="no sliding-window savings")
+    pl.add_argument("--json", action="store_true", help="print JSON")
+    pl.set_defaults(func=_cmd_plan)
+
+    # --- attribution: kvpressure explain ----------------------------------------------
+    ex = sub.add_parser(
+        "explain", help="why requests were slow: latency per phase, causes, evidence, when"
+    )
+    ex.add_argument("--since", default="10m", help="look back this long (10m, 90s, 1h)")
+    ex.add_argument("--url", default="http://127.0.0.1:9470", help="agent base URL")
+    ex.add_argument("--engine", help="only this engine label")
+    ex.add_argument("--json", action="store_true", help="print the raw JSON document")
+    ex.add_argument("--timeout", type=float, default=5.0, help="seconds")
+    ex.set_defaults(func=_cmd_explain)
     return p
 
 

@@ -28,8 +28,10 @@ from pydantic import (
     model_validator,
 )
 
-ENGINE_TYPES = ("auto", "vllm", "sglang", "llamacpp", "tgi", "trtllm", "triton")
-EngineType = Literal["auto", "vllm", "sglang", "llamacpp", "tgi", "trtllm", "triton"]
+ENGINE_TYPES = ("auto", "vllm", "sglang", "llamacpp", "tgi", "trtllm", "triton", "lmcache", "kvbm")
+EngineType = Literal[
+    "auto", "vllm", "sglang", "llamacpp", "tgi", "trtllm", "triton", "lmcache", "kvbm"
+]
 
 _DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(ms|s|m|h)?\s*$")
 _UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
@@ -81,6 +83,7 @@ class SamplersConfig(_Model):
     host: HostSamplerConfig = HostSamplerConfig()
     engines: SamplerToggle = SamplerToggle()
     gpu: SamplerToggle = SamplerToggle()
+    capacity: SamplerToggle = SamplerToggle()
 
 
 class GpuConfig(_Model):
@@ -165,6 +168,192 @@ class TimelineConfig(_Model):
     max_series: int = Field(default=20000, ge=100, le=1_000_000)
 
 
+def _check_host_port(v: str) -> str:
+    host, sep, port = v.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError("expected host:port such as 127.0.0.1:9470")
+    return v
+
+
+EngineLabel = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")]
+
+
+class ProxyConfig(_Model):
+    """One streaming reverse proxy in front of an engine (``agent/requests/proxy.py``).
+
+    Attributes:
+        listen: ``host:port`` the proxy listens on; clients send their requests here.
+        upstream: base URL of the engine, e.g. ``http://127.0.0.1:8080``.
+        engine: the ``engine`` label of the proxied requests' metrics.
+        connect_timeout_s: upstream TCP connect timeout; past it the client gets a 502
+            and the request counts as ``upstream_down``.
+    """
+
+    listen: str
+    upstream: str
+    engine: EngineLabel
+    connect_timeout_s: Seconds = Field(default=5.0, gt=0, le=60)
+
+    @field_validator("listen")
+    @classmethod
+    def _check_listen(cls, v: str) -> str:
+        return _check_host_port(v)
+
+    @field_validator("upstream")
+    @classmethod
+    def _check_upstream(cls, v: str) -> str:
+        parts = urlsplit(v)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError("expected an http(s) URL such as http://127.0.0.1:8080")
+        return v.rstrip("/")
+
+
+class OtlpReceiverConfig(_Model):
+    """The OTLP/HTTP trace receiver at ``/v1/traces`` on the agent's listener.
+
+    Attributes:
+        enabled: serve ``/v1/traces`` (404 when off).
+        max_body_bytes: largest accepted export, compressed and decompressed (413 above).
+        service_engines: resource ``service.name`` → ``engine`` label, e.g.
+            ``{vllm-prod: vllm}``; spans of other services are labelled by their
+            ``gen_ai.provider.name``/``gen_ai.system`` or the engine kind.
+    """
+
+    enabled: bool = True
+    max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024, le=256 * 1024 * 1024)
+    service_engines: dict[str, EngineLabel] = {}
+
+
+class AttributionConfig(_Model):
+    """Slow-request detection and cause attribution (``agent/attribution/``).
+
+    A request is slow when its TTFT (else end-to-end latency) exceeds
+    ``min(slo, max(baseline_factor x p<baseline_quantile> of the engine's last
+    baseline_requests non-slow requests, baseline_floor_s))``; before
+    ``baseline_min_requests`` are known only the SLO applies.
+
+    Attributes:
+        enabled: run the ``attribution`` sampler.
+        slo_ttft_s: TTFT objective, seconds.
+        slo_e2e_s: end-to-end objective for requests without a TTFT, seconds.
+        baseline_quantile: tail quantile of the rolling baseline.
+        baseline_factor: multiplier on that quantile.
+        baseline_requests: requests kept per engine and phase for the baseline.
+        baseline_min_requests: requests needed before the baseline applies (warm-up).
+        baseline_floor_s: lowest baseline threshold, seconds.
+        lead_in_s: seconds before a request's start that its attribution reads too.
+        window_s: length of the attributed windows (dashboards, ``explain``).
+        settle_s: records are attributed once they ended this long ago; default: twice the
+            sampling interval, so the sample covering the request's end exists.
+        min_score: lowest score that names a primary cause (else ``unknown``).
+        cold_start_s: slow requests this long after an engine restart are the restart's.
+        span_parent: ``child`` of the source span, or a new trace with a ``link`` to it.
+        recent_requests: request summaries kept for ``explain``.
+        recent_attributions: slow-request attributions kept for ``explain``.
+        thresholds: per-rule ``[threshold, saturation]`` overrides (rule names and defaults
+            in ``agent/attribution/rules.py`` and the README).
+    """
+
+    enabled: bool = True
+    slo_ttft_s: Seconds = Field(default=2.0, gt=0, le=3600)
+    slo_e2e_s: Seconds = Field(default=30.0, gt=0, le=86400)
+    baseline_quantile: float = Field(default=0.95, gt=0, lt=1)
+    baseline_factor: float = Field(default=1.5, ge=1, le=100)
+    baseline_requests: int = Field(default=500, ge=10, le=100_000)
+    baseline_min_requests: int = Field(default=30, ge=1, le=100_000)
+    baseline_floor_s: Seconds = Field(default=0.05, ge=0, le=3600)
+    lead_in_s: Seconds = Field(default=2.0, ge=0, le=600)
+    window_s: Seconds = Field(default=10.0, ge=1, le=3600)
+    settle_s: Seconds | None = Field(default=None, ge=0, le=600)
+    min_score: float = Field(default=0.3, gt=0, le=1)
+    cold_start_s: Seconds = Field(default=60.0, ge=0, le=3600)
+    span_parent: Literal["child", "link"] = "child"
+    recent_requests: int = Field(default=20000, ge=100, le=10_000_000)
+    recent_attributions: int = Field(default=5000, ge=10, le=1_000_000)
+    thresholds: dict[str, tuple[float, float]] = {}
+
+    @field_validator("thresholds")
+    @classmethod
+    def _known_rules(cls, v: dict[str, tuple[float, float]]) -> dict[str, tuple[float, float]]:
+        from agent.attribution.rules import RULES_BY_NAME
+
+        for name, (thr, sat) in v.items():
+            if name not in RULES_BY_NAME:
+                known = ", ".join(sorted(RULES_BY_NAME))
+                raise ValueError(f"unknown rule {name!r}; expected one of {known}")
+            if thr == sat:
+                raise ValueError(f"{name}: threshold and saturation must differ")
+        return v
+
+
+class OtlpExportConfig(_Model):
+    """OTLP/HTTP export of attribution spans and the metric catalogue (``exporters/otlp.py``).
+
+    Attributes:
+        endpoint: OTLP/HTTP base URL (``/v1/traces``, ``/v1/metrics`` are appended); empty
+            turns export off.
+        headers: extra HTTP headers, e.g. ``{authorization: "Bearer ..."}``.
+        interval_s: metric export interval.
+        queue_size: spans held while the endpoint is slow or down; beyond it the oldest are
+            dropped and counted in ``kvpressure_otlp_export_dropped_total``.
+        timeout_s: per-export timeout (retries included).
+        metrics: export the metric snapshot too (spans are always exported).
+    """
+
+    endpoint: str = ""
+    headers: dict[str, str] = {}
+    interval_s: Seconds = Field(default=15.0, ge=1, le=3600)
+    queue_size: int = Field(default=2048, ge=1, le=1_000_000)
+    timeout_s: Seconds = Field(default=5.0, gt=0, le=120)
+    metrics: bool = True
+
+    @field_validator("endpoint")
+    @classmethod
+    def _check_endpoint(cls, v: str) -> str:
+        if v:
+            parts = urlsplit(v)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ValueError("expected an http(s) URL such as http://127.0.0.1:4318")
+        return v.rstrip("/")
+
+
+class CapacityModelConfig(_Model):
+    """The model an engine serves, for KV bytes per token (``agent/capacity``).
+
+    Attributes:
+        model: a ``.gguf`` file, a Hugging Face ``config.json``, or its directory.
+        kv_dtype: the engine's KV dtype (``auto`` = the config's dtype, or ``f16`` for a
+            GGUF as llama.cpp defaults; ``fp8``, ``bf16``, ``q8_0``, ...).
+    """
+
+    model: str
+    kv_dtype: str = "auto"
+
+    @field_validator("kv_dtype")
+    @classmethod
+    def _check_dtype(cls, v: str) -> str:
+        from agent.capacity.kvbytes import DTYPE_BYTES
+
+        if v.lower() != "auto" and v.lower() not in DTYPE_BYTES:
+            raise ValueError(f"expected auto or one of {', '.join(sorted(DTYPE_BYTES))}")
+        return v.lower()
+
+
+class CapacityConfig(_Model):
+    """The derived capacity sampler (headroom, saturation, knee, reuse savings).
+
+    Attributes:
+        window_s: window of the used-token growth rate and the measured prefill rate.
+        auto_gguf: read a llama.cpp engine's ``model_path`` as a GGUF for bytes per token.
+        engines: ``engine`` label to the model it serves, e.g.
+            ``{vllm: {model: /models/llama-3.1-8b/config.json, kv_dtype: fp8}}``.
+    """
+
+    window_s: Seconds = Field(default=60.0, ge=5, le=3600)
+    auto_gguf: bool = True
+    engines: dict[EngineLabel, CapacityModelConfig] = {}
+
+
 class Config(_Model):
     """The whole agent configuration (see ``agent/default.yaml`` for the defaults)."""
 
@@ -178,6 +367,11 @@ class Config(_Model):
     discovery: DiscoveryConfig = DiscoveryConfig()
     timeline: TimelineConfig = TimelineConfig()
     gpu: GpuConfig = GpuConfig()
+    proxies: list[ProxyConfig] = []
+    otlp_receiver: OtlpReceiverConfig = OtlpReceiverConfig()
+    capacity: CapacityConfig = CapacityConfig()
+    attribution: AttributionConfig = AttributionConfig()
+    otlp_export: OtlpExportConfig = OtlpExportConfig()
 
     @field_validator("listen")
     @classmethod
@@ -194,6 +388,15 @@ class Config(_Model):
             if e.label in seen:
                 raise ValueError(f"engines[{i}]: engine name {e.label!r} is used twice; set name")
             seen.add(e.label)
+        return self
+
+    @model_validator(mode="after")
+    def _unique_proxy_listens(self) -> Config:
+        taken = {self.listen}
+        for i, p in enumerate(self.proxies):
+            if p.listen in taken and not p.listen.endswith(":0"):
+                raise ValueError(f"proxies[{i}]: listen {p.listen!r} is already used")
+            taken.add(p.listen)
         return self
 
     @property

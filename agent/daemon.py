@@ -22,18 +22,29 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
 
+import psutil
 from aiohttp import web
 
 from agent import logs
-from agent.api import make_app
+from agent.api import attribution_routes, make_app
+from agent.attribution.store import AttributionStore
 from agent.config import Config, ConfigError, EngineConfig, load
+from agent.requests.metrics import RequestMetrics
+from agent.requests.otlp_receiver import OtlpReceiver
+from agent.requests.proxy import RequestProxy
+from agent.requests.record import RequestStream
 from agent.samplers.base import Sampler
 from agent.samples import Batch
 from agent.sdnotify import Notifier
 from agent.state import AgentState, SamplerReport
 from agent.timeline import Timeline
 from exporters.prometheus import make_registry
+
+if TYPE_CHECKING:
+    from exporters.otlp import OtlpExport
 
 log = logging.getLogger(__name__)
 
@@ -182,6 +193,23 @@ class Daemon:
         self._listen: str | None = None
         self.bound_port: int | None = None
         self.notifier = Notifier()
+        # Per-request data: one stream, fed by the OTLP receiver and the proxies, read by
+        # the request-metrics sampler (and the attribution engine, as its own consumer).
+        self.request_stream = RequestStream()
+        otlp = config.otlp_receiver
+        self.otlp_receiver = OtlpReceiver(
+            self.request_stream, otlp.max_body_bytes, otlp.service_engines, otlp.enabled
+        )
+        self.request_metrics = RequestMetrics(
+            self.request_stream, [self.otlp_receiver], interval_s=config.interval_s
+        )
+        self.proxies: dict[str, RequestProxy] = {}
+        # Attribution: the store (history, slow counts) outlives sampler rebuilds on reload.
+        self.attributions = AttributionStore(
+            config.attribution.recent_requests, config.attribution.recent_attributions
+        )
+        self.otlp_export: OtlpExport | None = None
+        self._otlp_spec: object = None
 
     # ---- sampler set ---------------------------------------------------------------
     def _desired(self, cfg: Config) -> dict[str, tuple[object, Callable[[], Sampler]]]:
@@ -214,6 +242,22 @@ class Daemon:
                 )
 
             out["host"] = (spec, host_factory)
+        if cfg.samplers.gpu.enabled:
+            gpu_interval = cfg.samplers.gpu.interval_s or cfg.interval_s
+            gpu_spec = ("gpu", cfg.gpu, gpu_interval)  # GpuConfig is frozen: hashable
+
+            def gpu_factory() -> Sampler:
+                from agent.samplers.gpu import GpuSampler
+
+                return GpuSampler(
+                    binding=cfg.gpu.binding,
+                    interval_s=gpu_interval,
+                    thresholds=cfg.gpu,
+                    state_view=self.state.latest,
+                    engine_pids=self._engine_pids,
+                )
+
+            out["gpu"] = (gpu_spec, gpu_factory)
         if cfg.samplers.engines.enabled:
             interval = cfg.samplers.engines.interval_s or cfg.interval_s
             for e in [*cfg.engines, *self._discovered.values()]:
@@ -227,10 +271,110 @@ class Daemon:
                     )
 
                 out[f"engine:{e.label}"] = (espec, engine_factory)
+        req_interval = cfg.interval_s
+
+        def requests_factory() -> Sampler:
+            self.request_metrics.interval_s = req_interval  # same object: counts survive
+            self.request_metrics.timeout_s = max(req_interval, 2.0)
+            return self.request_metrics
+
+        out["requests"] = (("requests", req_interval), requests_factory)
+        if cfg.samplers.capacity.enabled:
+            cap_interval = cfg.samplers.capacity.interval_s or cfg.interval_s
+            cap_spec = ("capacity", cap_interval, cfg.capacity.model_dump_json())
+
+            def capacity_factory() -> Sampler:
+                from agent.capacity.live import CapacitySampler, ModelSource
+
+                return CapacitySampler(
+                    self.state,
+                    interval_s=cap_interval,
+                    window_s=cfg.capacity.window_s,
+                    models={
+                        k: ModelSource(m.model, m.kv_dtype) for k, m in cfg.capacity.engines.items()
+                    },
+                    auto_gguf=cfg.capacity.auto_gguf,
+                    stream=self.request_stream,  # consumer "capacity": the latency knee
+                )
+
+            out["capacity"] = (cap_spec, capacity_factory)
+        out.update(self._attribution_samplers(cfg))
         return out
+
+    def _attribution_samplers(self, cfg: Config) -> dict[str, tuple[object, Callable[[], Sampler]]]:
+        """The ``attribution`` sampler and, with OTLP export on, the ``otlp-export`` one."""
+        out: dict[str, tuple[object, Callable[[], Sampler]]] = {}
+        export = self.otlp_export
+        if export is not None:
+            from exporters.otlp import OtlpExportSampler
+
+            out["otlp-export"] = (
+                ("otlp-export", id(export), cfg.interval_s),
+                lambda: OtlpExportSampler(export, cfg.interval_s),
+            )
+        acfg = cfg.attribution
+        if not acfg.enabled:
+            return out
+        intervals = [cfg.interval_s, cfg.samplers.host.interval_s, cfg.samplers.engines.interval_s]
+        settle = acfg.settle_s if acfg.settle_s is not None else 2 * max(i or 0 for i in intervals)
+
+        def factory() -> Sampler:
+            from agent.attribution import make_sampler
+
+            return make_sampler(
+                acfg, self.request_stream, self.state.timeline, self.attributions,
+                interval_s=cfg.interval_s, settle_s=settle, span_sink=export,
+            )  # fmt: skip
+
+        return {**out, "attribution": (("attribution", acfg, settle, id(export)), factory)}
+
+    def _apply_otlp_export(self, cfg: Config) -> None:
+        """Start, keep or replace the OTLP exporter so it matches ``cfg.otlp_export``."""
+        spec = cfg.otlp_export if cfg.otlp_export.endpoint else None
+        key = (spec, cfg.attribution.span_parent) if spec is not None else None
+        if key == self._otlp_spec:
+            return
+        old, self.otlp_export, self._otlp_spec = self.otlp_export, None, key
+        if old is not None:
+            old.shutdown(0.5)
+        if spec is None:
+            return
+        from exporters.otlp import OtlpExport
+
+        self.otlp_export = OtlpExport(
+            self.state, spec.endpoint, spec.headers, spec.interval_s, spec.queue_size,
+            spec.timeout_s, cfg.attribution.span_parent, export_metrics=spec.metrics,
+        )  # fmt: skip
+        self.otlp_export.start()
+        log.info("OTLP export on", extra={"kv": {"endpoint": spec.endpoint}})
+
+    def _engine_pids(self) -> dict[int, str]:
+        """Map the PID listening on each local engine's port to the engine's name.
+
+        Source: ``psutil.net_connections(kind="tcp")`` (``/proc/net/tcp*`` and each
+        process's fds); only engines on loopback addresses can be resolved. Returns ``{}``
+        when the connections cannot be read (no permission, no procfs).
+        """
+        ports: dict[int, str] = {}
+        for e in [*self.config.engines, *self._discovered.values()]:
+            parts = urlsplit(e.url)
+            if parts.hostname in ("127.0.0.1", "localhost", "::1") and parts.port:
+                ports[parts.port] = e.label
+        if not ports:
+            return {}
+        try:
+            conns = psutil.net_connections(kind="tcp")
+        except (psutil.Error, OSError):
+            return {}
+        return {
+            c.pid: ports[c.laddr.port]
+            for c in conns
+            if c.pid and c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port in ports
+        }
 
     def _apply(self, cfg: Config) -> None:
         """Start, keep or stop runners so they match ``cfg``."""
+        self._apply_otlp_export(cfg)
         desired = self._desired(cfg)
         for name in list(self._runners):
             if name not in desired or desired[name][0] != self._runners[name].spec:
@@ -318,13 +462,19 @@ class Daemon:
             self._discovered.clear()
         logs.set_level(new.log_level)
         self._apply(new)
+        otlp = new.otlp_receiver
+        self.otlp_receiver.configure(otlp.enabled, otlp.max_body_bytes, otlp.service_engines)
         self.state.count_reload("ok")
         log.info("config reloaded", extra={"kv": {"path": str(self.config_path)}})
         return True
 
     # ---- HTTP ----------------------------------------------------------------------
     async def _serve(self, listen_host: str, listen_port: int) -> None:
-        app = make_app(self.state, self._registry)
+        routes = [
+            *self.otlp_receiver.routes(),
+            *attribution_routes(self.attributions, self.config.attribution.window_s),
+        ]
+        app = make_app(self.state, self._registry, routes)
         runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=0.5)
         await runner.setup()
         site = web.TCPSite(runner, listen_host, listen_port, reuse_address=True)
@@ -356,6 +506,7 @@ class Daemon:
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(signal.SIGHUP, self._on_hup)
         await self._serve(self.config.listen_host, self.config.listen_port)
+        await self._apply_proxies(self.config)
         self._apply(self.config)
         tasks = [
             asyncio.create_task(self._discovery_loop()),
@@ -377,10 +528,13 @@ class Daemon:
     def _on_hup(self) -> None:
         listen = self.config.listen
         self.notifier.reloading()
-        if self.reload() and self.config.listen != listen:
+        reloaded = self.reload()
+        if reloaded and self.config.listen != listen:
             asyncio.get_running_loop().create_task(
                 self._serve(self.config.listen_host, self.config.listen_port)
             )
+        if reloaded:
+            asyncio.get_running_loop().create_task(self._apply_proxies(self.config))
         self.notifier.ready(self._status_line())
 
     def _status_line(self) -> str:
@@ -422,7 +576,42 @@ class Daemon:
                 r.check_timeout(now)
             await asyncio.sleep(0.1)
 
+    async def _apply_proxies(self, cfg: Config) -> None:
+        """Start, keep or stop request proxies so they match ``cfg.proxies``.
+
+        A proxy whose address cannot be bound is logged and skipped; the agent runs on.
+        """
+        wanted = {p.listen: p for p in cfg.proxies}
+        for listen in list(self.proxies):
+            p = wanted.get(listen)
+            proxy = self.proxies[listen]
+            spec = (p.listen, p.upstream, p.engine, p.connect_timeout_s) if p else None
+            if spec != proxy.spec:
+                del self.proxies[listen]
+                await proxy.close()
+                log.info("proxy stopped", extra={"kv": {"listen": listen}})
+        for listen, p in wanted.items():
+            if listen in self.proxies:
+                continue
+            proxy = RequestProxy(
+                p.listen, p.upstream, p.engine, self.request_stream, p.connect_timeout_s
+            )
+            try:
+                await proxy.start()
+            except OSError as exc:
+                log.error(
+                    "proxy could not listen",
+                    extra={"kv": {"listen": listen, "error": f"{type(exc).__name__}: {exc}"}},
+                )
+                continue
+            self.proxies[listen] = proxy
+
     async def _shutdown(self) -> None:
+        for proxy in list(self.proxies.values()):
+            await proxy.close()
+        self.proxies.clear()
+        if self.otlp_export is not None:
+            await asyncio.to_thread(self.otlp_export.shutdown, 0.5)
         runners = list(self._runners.values())
         for r in runners:
             r.stop()

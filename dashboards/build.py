@@ -909,6 +909,42 @@ def capacity() -> Dashboard:
             minmax=(0, None),
             w=12,
         ),
+        Row("Saturation"),
+        timeseries(
+            "Saturation concurrency",
+            "Concurrent requests at which the KV cache fills, per engine (capacity divided "
+            "by the tokens one request needs at its peak; llama.cpp: capped at its slots).",
+            [q(sel("kvpressure_kv_saturation_concurrency", REQUEST), "{{engine}}")],
+            w=8,
+        ),
+        timeseries(
+            "Time to KV saturation",
+            "Headroom divided by the growth rate of used KV tokens; absent unless growing.",
+            [q(sel("kvpressure_kv_time_to_saturation_seconds", REQUEST), "{{engine}}")],
+            unit="s",
+            w=8,
+        ),
+        timeseries(
+            "KV bytes per token",
+            "KV-cache bytes one token occupies, per engine and model.",
+            [q(sel("kvpressure_kv_bytes_per_token", REQUEST), "{{engine}} {{model}}")],
+            unit="bytes",
+            w=8,
+        ),
+        timeseries(
+            "Prefill time saved by prefix reuse",
+            "Seconds of prefill per second that prefix-cache hits saved, at the measured "
+            "prefill rate.",
+            [
+                q(
+                    f"sum by (engine) "
+                    f"({rate('kvpressure_prefix_cache_saved_seconds_total', REQUEST)})",
+                    "{{engine}}",
+                )
+            ],
+            unit="s",
+            w=24,
+        ),
     ]
     return Dashboard(
         "kvpressure-capacity",
@@ -1085,16 +1121,7 @@ def agent_health() -> Dashboard:
     )
 
 
-DASHBOARDS: tuple[Callable[[], Dashboard], ...] = (
-    memory_pressure,
-    accelerator,
-    capacity,
-    agent_health,
-)
-"""Builders of the committed dashboards."""
-
-
-# --- Pending: panels whose metrics land with later issues --------------------------------
+# --- Tail latency and attribution --------------------------------------------------------
 
 REQUEST = f'{JOB}, engine=~"$engine"'  # request metrics carry engine but no engine instance
 
@@ -1108,7 +1135,7 @@ def _quantile(phase: str, quantile: float) -> Json:
 
 
 def tail_latency() -> Dashboard:
-    """Tail latency and attribution (needs the request metrics of the attribution issue)."""
+    """Tail latency and attribution: request-latency quantiles, slow requests by cause."""
     items: list[Item] = [
         Row("Latency"),
         *(
@@ -1167,6 +1194,16 @@ def tail_latency() -> Dashboard:
     )
 
 
+DASHBOARDS: tuple[Callable[[], Dashboard], ...] = (
+    memory_pressure,
+    tail_latency,
+    accelerator,
+    capacity,
+    agent_health,
+)
+"""Builders of the committed dashboards."""
+
+
 @dataclass(frozen=True)
 class Pending:
     """Panels or a dashboard waiting for metrics that are not in the catalogue yet."""
@@ -1177,38 +1214,7 @@ class Pending:
     issue: str
 
 
-PENDING: tuple[Pending, ...] = (
-    Pending(
-        "kvpressure-tail-latency (whole dashboard: register tail_latency in DASHBOARDS)",
-        (
-            "kvpressure_request_latency_seconds",
-            "kvpressure_slow_requests_total",
-            "kvpressure_attribution_score",
-        ),
-        lambda: tail_latency().items,
-        "request latency and attribution",
-    ),
-    Pending(
-        "kvpressure-capacity",
-        ("kvpressure_kv_saturation_concurrency", "kvpressure_kv_bytes_per_token"),
-        lambda: [
-            timeseries(
-                "Saturation concurrency",
-                "Concurrent requests at which the KV cache fills, per engine.",
-                [q(sel("kvpressure_kv_saturation_concurrency", REQUEST), "{{engine}}")],
-                w=12,
-            ),
-            timeseries(
-                "KV bytes per token",
-                "KV-cache bytes one token occupies, per engine and model.",
-                [q(sel("kvpressure_kv_bytes_per_token", REQUEST), "{{engine}} {{model}}")],
-                unit="bytes",
-                w=12,
-            ),
-        ],
-        "capacity planner",
-    ),
-)
+PENDING: tuple[Pending, ...] = ()
 """Ready-made panels to add once their metrics exist (``tests/test_dashboards.py`` parses
 them). The agent-health panel for dropped spans waits for the name the request issue
 chooses."""

@@ -5,8 +5,15 @@ from agent.catalogue import CATALOGUE, markdown_table
 
 ROOT = Path(__file__).resolve().parents[1]
 NAME = re.compile(r"^kvpressure_[a-z0-9_]+$")
-UNIT_SUFFIX = {"bytes": "_bytes", "seconds": "_seconds", "ratio": "_ratio", "watts": "_watts",
-               "celsius": "_celsius", "tokens": "_tokens", "pages": "_pages"}
+UNIT_SUFFIX = {
+    "bytes": "_bytes",
+    "seconds": "_seconds",
+    "ratio": "_ratio",
+    "watts": "_watts",
+    "celsius": "_celsius",
+    "tokens": "_tokens",
+    "pages": "_pages",
+}
 
 
 def test_names_follow_prometheus_conventions():
@@ -29,14 +36,19 @@ def test_names_follow_prometheus_conventions():
 
 
 def test_design_names_are_all_declared():
-    design = (ROOT.parent / "shared" / "DESIGN.md")
+    design = ROOT.parent / "shared" / "DESIGN.md"
     if not design.exists():
         return
     names = set(re.findall(r"`(kvpressure_[a-z0-9_]+)", design.read_text()))
     missing = sorted(n for n in names if n not in CATALOGUE)
     # request and capacity metrics land with their issues (attribution, capacity planner)
-    later = {n for n in missing if n.startswith(("kvpressure_request", "kvpressure_slow",
-                                                 "kvpressure_attribution", "kvpressure_kv_"))}
+    later = {
+        n
+        for n in missing
+        if n.startswith(
+            ("kvpressure_request", "kvpressure_slow", "kvpressure_attribution", "kvpressure_kv_")
+        )
+    }
     assert sorted(set(missing) - later) == []
 
 

@@ -1,0 +1,607 @@
+"""OTLP/HTTP trace receiver: LLM request spans in, one RequestRecord per understood span out.
+
+Served at ``POST /v1/traces`` on the agent's own listener. Accepts the two OTLP/HTTP
+encodings, ``application/x-protobuf`` (an ``ExportTraceServiceRequest``) and
+``application/json`` (the OTLP JSON mapping: lowerCamelCase keys, trace and span ids as
+hex strings; base64 ids are accepted too), optionally ``Content-Encoding: gzip``.
+
+Understood spans (anything else is skipped after a look at its name and attribute keys):
+
+* **vLLM** ``llm_request`` spans (``--otlp-traces-endpoint``): ``gen_ai.latency.time_in_queue``
+  → queue, ``.time_to_first_token`` → TTFT, ``.e2e`` → end-to-end,
+  ``.time_in_model_prefill`` / ``.time_in_model_decode`` → prefill / decode (seconds),
+  ``gen_ai.usage.prompt_tokens`` / ``completion_tokens``, ``gen_ai.response.model`` (or
+  ``gen_ai.request.model``).
+* **OpenTelemetry GenAI client spans** (OpenLLMetry, OpenLIT): ``gen_ai.operation.name``
+  ``chat`` / ``text_completion`` / ``generate_content`` (or OpenLLMetry's
+  ``llm.request.type``); engine from ``gen_ai.provider.name`` or the older
+  ``gen_ai.system``; tokens from ``gen_ai.usage.input_tokens`` / ``output_tokens`` (or the
+  older ``prompt_tokens`` / ``completion_tokens``), ``gen_ai.usage.cache_read.input_tokens``;
+  TTFT from ``gen_ai.response.time_to_first_chunk`` or OpenLIT's
+  ``gen_ai.server.time_to_first_token``; end-to-end = span duration.
+* **TGI** router spans (``generate``, ``generate_stream``, ...) carrying ``total_time``,
+  ``queue_time``, ``inference_time`` as Rust ``Duration`` debug strings (``"1.234ms"``) and,
+  in newer versions, ``prompt_tokens`` / ``generated_tokens``.
+
+The engine label comes from ``otlp_receiver.service_engines`` (resource ``service.name`` →
+engine), else the span's provider attribute, else the engine kind (``vllm``, ``tgi``),
+bounded to :data:`~agent.requests.metrics.MAX_ENGINES` values.
+
+Answers: 200 with an ``ExportTraceServiceResponse`` in the request's encoding
+(``partial_success.rejected_spans`` counts understood spans whose values were unusable);
+400 for undecodable bodies, 413 over ``max_body_bytes`` (compressed or not), 415 for other
+content types or encodings, each with a one-line ``google.rpc.Status`` message. Nothing
+raised while decoding escapes the handler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import json
+import logging
+import math
+import re
+import threading
+import zlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+from google.protobuf import json_format
+from google.protobuf.message import DecodeError
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
+from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
+
+from agent.requests.metrics import MAX_ENGINES, LabelCap
+from agent.requests.record import RequestRecord, RequestStream
+from agent.samples import Batch
+
+log = logging.getLogger(__name__)
+
+PATH = "/v1/traces"
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+PROTOBUF = "application/x-protobuf"
+JSON = "application/json"
+
+SPANS_METRIC = "kvpressure_otlp_spans_received_total"
+REQUESTS_METRIC = "kvpressure_otlp_requests_total"
+
+_GRPC_INVALID_ARGUMENT = 3
+_GRPC_RESOURCE_EXHAUSTED = 8
+_GRPC_UNIMPLEMENTED = 12
+
+_INFERENCE_OPS = frozenset({"chat", "text_completion", "generate_content", "completion"})
+_LLM_REQUEST_TYPES = frozenset({"chat", "completion"})
+_TGI_INNER = frozenset({"queue_time", "inference_time"})
+_MAX_MODEL_LEN = 256
+_ZERO_TRACE = bytes(16)
+_ZERO_SPAN = bytes(8)
+_RUST_DURATION = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*(ns|µs|us|ms|s)\s*$")
+_RUST_UNITS = {"ns": 1e-9, "µs": 1e-6, "us": 1e-6, "ms": 1e-3, "s": 1.0}
+
+
+class OtlpDecodeError(ValueError):
+    """The request body is not a decodable OTLP trace export (message: one line, why)."""
+
+
+class _Reject(ValueError):
+    """An understood LLM span whose values are unusable (message: which attribute)."""
+
+
+@dataclass
+class _Counters:
+    spans: dict[str, int] = field(default_factory=dict)
+    requests: dict[str, int] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def add(self, kind: str, key: str, n: int = 1) -> None:
+        if n <= 0:
+            return
+        with self.lock:
+            d = self.spans if kind == "spans" else self.requests
+            d[key] = d.get(key, 0) + n
+
+
+# --- decoding -------------------------------------------------------------------------
+
+
+def _media_type(content_type: str | None) -> str:
+    return (content_type or "").split(";", 1)[0].strip().lower()
+
+
+def _gunzip(body: bytes, limit: int) -> bytes:
+    """Decompress a gzip body, stopping as soon as the output passes ``limit`` bytes.
+
+    Raises:
+        OtlpDecodeError: not valid gzip.
+        OverflowError: the decompressed body is larger than ``limit`` bytes.
+    """
+    d = zlib.decompressobj(wbits=31)
+    try:
+        out = d.decompress(body, limit + 1)
+    except zlib.error as exc:
+        raise OtlpDecodeError(f"invalid gzip body: {exc}") from None
+    if len(out) > limit:
+        raise OverflowError(limit)
+    if not d.eof:
+        raise OtlpDecodeError("truncated gzip body")
+    return out
+
+
+def _id_to_b64(value: object, n_bytes: int) -> object:
+    """Turn an OTLP-JSON hex id into the base64 the protobuf JSON parser expects.
+
+    A string that is not ``2 * n_bytes`` hex digits is passed through unchanged, so base64
+    ids (the protobuf JSON mapping) are accepted as well; empty stays empty.
+    """
+    if isinstance(value, str) and len(value) == 2 * n_bytes:
+        try:
+            raw = bytes.fromhex(value)
+        except ValueError:
+            return value
+        return base64.b64encode(raw).decode("ascii")
+    return value
+
+
+def _fix_ids(doc: Any) -> None:
+    """Rewrite hex trace/span ids in an OTLP JSON document in place (spans and links)."""
+    if not isinstance(doc, dict):
+        raise OtlpDecodeError("JSON body is not an object")
+    for rs in doc.get("resourceSpans") or []:
+        if not isinstance(rs, dict):
+            continue
+        for ss in rs.get("scopeSpans") or []:
+            if not isinstance(ss, dict):
+                continue
+            for span in ss.get("spans") or []:
+                if not isinstance(span, dict):
+                    continue
+                for key, n in (("traceId", 16), ("spanId", 8), ("parentSpanId", 8)):
+                    if key in span:
+                        span[key] = _id_to_b64(span[key], n)
+                for link in span.get("links") or []:
+                    if isinstance(link, dict):
+                        for key, n in (("traceId", 16), ("spanId", 8)):
+                            if key in link:
+                                link[key] = _id_to_b64(link[key], n)
+
+
+def decode(body: bytes, media_type: str) -> ExportTraceServiceRequest:
+    """Decode an (already decompressed) OTLP/HTTP trace body.
+
+    Args:
+        body: the request body.
+        media_type: ``application/x-protobuf`` or ``application/json``.
+
+    Returns:
+        The decoded ``ExportTraceServiceRequest``.
+
+    Raises:
+        OtlpDecodeError: the body does not decode in that encoding.
+    """
+    req = ExportTraceServiceRequest()
+    if media_type == PROTOBUF:
+        try:
+            req.ParseFromString(body)
+        except (DecodeError, RuntimeError, ValueError) as exc:
+            raise OtlpDecodeError(f"invalid protobuf body: {exc}") from None
+        return req
+    try:
+        doc = json.loads(body)
+    except (ValueError, RecursionError) as exc:
+        raise OtlpDecodeError(f"invalid JSON body: {exc}") from None
+    _fix_ids(doc)
+    try:
+        json_format.ParseDict(doc, req, ignore_unknown_fields=True)
+    except (json_format.ParseError, ValueError, TypeError, RecursionError) as exc:
+        raise OtlpDecodeError(f"invalid OTLP JSON: {exc}") from None
+    return req
+
+
+# --- attribute helpers ----------------------------------------------------------------
+
+
+def _value(v: AnyValue) -> Any:
+    kind = v.WhichOneof("value")
+    if kind == "string_value":
+        return v.string_value
+    if kind == "int_value":
+        return v.int_value
+    if kind == "double_value":
+        return v.double_value
+    if kind == "bool_value":
+        return v.bool_value
+    return None  # arrays, kvlists, bytes: never needed here
+
+
+def _attrs(kvs: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    kv: KeyValue
+    for kv in kvs:
+        out[kv.key] = _value(kv.value)
+    return out
+
+
+def _seconds(attrs: Mapping[str, Any], key: str) -> float | None:
+    """A duration attribute in seconds (number, or numeric string).
+
+    Raises:
+        _Reject: present but negative, NaN, infinite or not a number.
+    """
+    if key not in attrs or attrs[key] is None:
+        return None
+    v = attrs[key]
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        raise _Reject(f"{key} is not a number") from None
+    if isinstance(v, bool) or not math.isfinite(f) or f < 0:
+        raise _Reject(f"{key} is not a non-negative number")
+    return f
+
+
+def _rust_duration(attrs: Mapping[str, Any], key: str) -> float | None:
+    """A TGI duration attribute (Rust ``Duration`` debug string such as ``"12.5ms"``).
+
+    Raises:
+        _Reject: present but not in that format.
+    """
+    v = attrs.get(key)
+    if v is None:
+        return None
+    if isinstance(v, int | float) and not isinstance(v, bool):
+        return _seconds(attrs, key)
+    m = _RUST_DURATION.match(str(v))
+    if not m:
+        raise _Reject(f"{key} is not a duration such as 12.5ms")
+    return float(m.group(1)) * _RUST_UNITS[m.group(2)]
+
+
+def _tokens(attrs: Mapping[str, Any], *keys: str) -> int | None:
+    """The first of ``keys`` present as a token count (int, or integral string).
+
+    Raises:
+        _Reject: present but negative or not an integer.
+    """
+    for key in keys:
+        v = attrs.get(key)
+        if v is None:
+            continue
+        if isinstance(v, bool) or (isinstance(v, float) and not v.is_integer()):
+            raise _Reject(f"{key} is not an integer")
+        try:
+            n = int(v)
+        except (TypeError, ValueError, OverflowError):
+            raise _Reject(f"{key} is not an integer") from None
+        if n < 0:
+            raise _Reject(f"{key} is negative")
+        return n
+    return None
+
+
+def _text(attrs: Mapping[str, Any], *keys: str) -> str | None:
+    for key in keys:
+        v = attrs.get(key)
+        if isinstance(v, str) and v:
+            return v[:_MAX_MODEL_LEN]
+    return None
+
+
+def _hex_id(raw: bytes, n_bytes: int, zero: bytes) -> str | None:
+    if len(raw) != n_bytes or raw == zero:
+        return None
+    return binascii.hexlify(raw).decode("ascii")
+
+
+def _span_outcome(span: Span, attrs: Mapping[str, Any]) -> tuple[str, str | None]:
+    """``(outcome, error_type)`` from the span status, ``error.type`` and HTTP status."""
+    error_type = _text(attrs, "error.type")
+    reasons = attrs.get("gen_ai.response.finish_reasons")
+    if isinstance(reasons, str) and "abort" in reasons:
+        return "cancelled", error_type
+    http_status = attrs.get("http.response.status_code", attrs.get("http.status_code"))
+    failed = span.status.code == Status.STATUS_CODE_ERROR or error_type is not None
+    if not failed and not (isinstance(http_status, int) and http_status >= 400):
+        return "ok", None
+    low = (error_type or "").lower() + " " + span.status.message[:512].lower()
+    if "context_length" in low or "exceed_context" in low or "maximum context length" in low:
+        return "context_exceeded", error_type
+    if "context size has been exceeded" in low:
+        return "kv_exhausted", error_type
+    if isinstance(http_status, int) and 400 <= http_status < 500:
+        return "client_error", error_type
+    return "server_error", error_type
+
+
+# --- the receiver ---------------------------------------------------------------------
+
+
+class OtlpReceiver:
+    """Turns OTLP trace exports into RequestRecords.
+
+    Thread-safe: :meth:`export` may run on a worker thread while the loop serves requests.
+
+    Args:
+        stream: where records go.
+        max_body_bytes: largest accepted body, compressed and decompressed (413 above).
+        service_engines: resource ``service.name`` → ``engine`` label.
+        enabled: when False the route answers 404.
+        max_engines: most distinct engine labels this receiver produces.
+    """
+
+    def __init__(
+        self,
+        stream: RequestStream,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        service_engines: Mapping[str, str] | None = None,
+        enabled: bool = True,
+        max_engines: int = MAX_ENGINES,
+    ) -> None:
+        self._stream = stream
+        self.max_body_bytes = max_body_bytes
+        self.service_engines: dict[str, str] = dict(service_engines or {})
+        self.enabled = enabled
+        self._engines = LabelCap(max_engines)
+        self._c = _Counters()
+        self._warned: set[str] = set()
+
+    def configure(
+        self, enabled: bool, max_body_bytes: int, service_engines: Mapping[str, str]
+    ) -> None:
+        """Apply new settings (config reload); counters and the engine set are kept."""
+        self.enabled = enabled
+        self.max_body_bytes = max_body_bytes
+        self.service_engines = dict(service_engines)
+
+    def routes(self) -> list[web.RouteDef]:
+        """The aiohttp route of the receiver (``POST /v1/traces``)."""
+        return [web.post(PATH, self.handle)]
+
+    # ---- span → record ---------------------------------------------------------------
+    def _engine(self, service: str | None, attrs: Mapping[str, Any], default: str) -> str:
+        name = self.service_engines.get(service or "") if service else None
+        if name is None:
+            name = _text(attrs, "gen_ai.provider.name", "gen_ai.system") or default
+        return self._engines(name)
+
+    def span_record(self, span: Span, service: str | None) -> RequestRecord | None:
+        """The record of one span, or None when the span is not an LLM request span.
+
+        Raises:
+            _Reject: an LLM request span whose values are unusable (the message says which).
+        """
+        keys = {kv.key for kv in span.attributes}
+        if span.name == "llm_request" or "gen_ai.latency.e2e" in keys:
+            kind = "vllm"
+        elif "total_time" in keys and not keys.isdisjoint(_TGI_INNER):
+            kind = "tgi"
+        elif "gen_ai.operation.name" in keys or "llm.request.type" in keys:
+            kind = "genai"
+        else:
+            return None
+        attrs = _attrs(span.attributes)
+        if kind == "genai":
+            op = attrs.get("gen_ai.operation.name")
+            if op is None:
+                op = attrs.get("llm.request.type")
+                if op not in _LLM_REQUEST_TYPES:
+                    return None
+            elif op not in _INFERENCE_OPS:
+                return None
+        start_ns, end_ns = span.start_time_unix_nano, span.end_time_unix_nano
+        if start_ns <= 0 or end_ns < start_ns:
+            raise _Reject("start/end time missing or end before start")
+        start, end = start_ns / 1e9, end_ns / 1e9
+        outcome, error_type = _span_outcome(span, attrs)
+        common: dict[str, Any] = {
+            "start": start,
+            "end": end,
+            "outcome": outcome,
+            "error_type": error_type,
+            "source": "otlp",
+            "trace_id": _hex_id(span.trace_id, 16, _ZERO_TRACE),
+            "span_id": _hex_id(span.span_id, 8, _ZERO_SPAN),
+            "model": _text(attrs, "gen_ai.response.model", "gen_ai.request.model"),
+        }
+        if kind == "vllm":
+            e2e = _seconds(attrs, "gen_ai.latency.e2e")
+            return RequestRecord(
+                engine=self._engine(service, attrs, "vllm"),
+                ttft_s=_seconds(attrs, "gen_ai.latency.time_to_first_token"),
+                e2e_s=e2e if e2e is not None else end - start,
+                queue_s=_seconds(attrs, "gen_ai.latency.time_in_queue"),
+                prefill_s=_seconds(attrs, "gen_ai.latency.time_in_model_prefill"),
+                decode_s=_seconds(attrs, "gen_ai.latency.time_in_model_decode"),
+                input_tokens=_tokens(
+                    attrs, "gen_ai.usage.prompt_tokens", "gen_ai.usage.input_tokens"
+                ),
+                output_tokens=_tokens(
+                    attrs, "gen_ai.usage.completion_tokens", "gen_ai.usage.output_tokens"
+                ),
+                **common,
+            )
+        if kind == "tgi":
+            total = _rust_duration(attrs, "total_time")
+            return RequestRecord(
+                engine=self._engine(service, attrs, "tgi"),
+                e2e_s=total if total is not None else end - start,
+                queue_s=_rust_duration(attrs, "queue_time"),
+                input_tokens=_tokens(attrs, "prompt_tokens"),
+                output_tokens=_tokens(attrs, "generated_tokens"),
+                **common,
+            )
+        ttft = _seconds(attrs, "gen_ai.response.time_to_first_chunk")
+        if ttft is None:
+            ttft = _seconds(attrs, "gen_ai.server.time_to_first_token")
+        return RequestRecord(
+            engine=self._engine(service, attrs, "unknown"),
+            ttft_s=ttft,
+            e2e_s=end - start,
+            input_tokens=_tokens(attrs, "gen_ai.usage.input_tokens", "gen_ai.usage.prompt_tokens"),
+            output_tokens=_tokens(
+                attrs, "gen_ai.usage.output_tokens", "gen_ai.usage.completion_tokens"
+            ),
+            cached_tokens=_tokens(attrs, "gen_ai.usage.cache_read.input_tokens"),
+            **common,
+        )
+
+    def export(self, req: ExportTraceServiceRequest) -> ExportTraceServiceResponse:
+        """Turn every understood span of ``req`` into a record and submit it.
+
+        Returns:
+            The response to send; ``partial_success`` is set when spans were rejected.
+        """
+        recorded = ignored = rejected = 0
+        first_reason = ""
+        for rs in req.resource_spans:
+            service: str | None = None
+            for kv in rs.resource.attributes:
+                if kv.key == "service.name":
+                    service = kv.value.string_value or None
+                    break
+            for ss in rs.scope_spans:
+                for span in ss.spans:
+                    try:
+                        record = self.span_record(span, service)
+                    except _Reject as exc:
+                        rejected += 1
+                        first_reason = first_reason or f"span {span.name!r}: {exc}"
+                        continue
+                    if record is None:
+                        ignored += 1
+                        continue
+                    self._stream.submit(record)
+                    recorded += 1
+        self._c.add("spans", "record", recorded)
+        self._c.add("spans", "ignored", ignored)
+        self._c.add("spans", "rejected", rejected)
+        resp = ExportTraceServiceResponse()
+        if rejected:
+            resp.partial_success.rejected_spans = rejected
+            resp.partial_success.error_message = (
+                f"{rejected} LLM request span(s) rejected; first: {first_reason}"
+            )[:512]
+        return resp
+
+    # ---- HTTP ------------------------------------------------------------------------
+    def _error(self, status: int, code: int, msg: str, media: str, result: str) -> web.Response:
+        self._c.add("requests", result)
+        level = logging.WARNING if result not in self._warned else logging.DEBUG
+        self._warned.add(result)
+        log.log(level, "OTLP export refused", extra={"kv": {"status": status, "error": msg}})
+        if media == JSON:
+            return web.json_response({"code": code, "message": msg}, status=status)
+        return web.Response(body=_status_pb(code, msg), status=status, content_type=PROTOBUF)
+
+    async def _read_body(self, request: web.Request) -> bytes | None:
+        """The raw body, or None when it is longer than ``max_body_bytes``."""
+        limit = self.max_body_bytes
+        if request.content_length is not None and request.content_length > limit:
+            return None
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            chunk = await request.content.read(65536)
+            if not chunk:
+                return b"".join(chunks)
+            size += len(chunk)
+            if size > limit:
+                return None
+            chunks.append(chunk)
+
+    async def handle(self, request: web.Request) -> web.Response:
+        """``POST /v1/traces``: decode, turn spans into records, answer (see module doc)."""
+        if not self.enabled:
+            raise web.HTTPNotFound(text="OTLP receiver disabled (otlp_receiver.enabled)\n")
+        media = _media_type(request.headers.get("Content-Type"))
+        if media not in (PROTOBUF, JSON):
+            return self._error(
+                415,
+                _GRPC_UNIMPLEMENTED,
+                f"unsupported Content-Type {media or '(none)'!r}; use {PROTOBUF} or {JSON}",
+                PROTOBUF,
+                "unsupported_media_type",
+            )
+        encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+        if encoding not in ("identity", "gzip", ""):
+            return self._error(
+                415,
+                _GRPC_UNIMPLEMENTED,
+                f"unsupported Content-Encoding {encoding!r}; use gzip or none",
+                media,
+                "unsupported_media_type",
+            )
+        too_large = f"body larger than otlp_receiver.max_body_bytes ({self.max_body_bytes})"
+        try:
+            body = await self._read_body(request)
+        except Exception as exc:  # noqa: BLE001 - reset, truncated or undecodable upload
+            msg = f"cannot read body: {type(exc).__name__}"
+            return self._error(400, _GRPC_INVALID_ARGUMENT, msg, media, "bad_request")
+        if body is None:
+            return self._error(413, _GRPC_RESOURCE_EXHAUSTED, too_large, media, "too_large")
+        try:
+            resp = await asyncio.to_thread(self._decode_and_export, body, media, encoding)
+        except OverflowError:
+            return self._error(413, _GRPC_RESOURCE_EXHAUSTED, too_large, media, "too_large")
+        except OtlpDecodeError as exc:
+            msg = " ".join(str(exc).split())[:300]
+            return self._error(400, _GRPC_INVALID_ARGUMENT, msg, media, "bad_request")
+        except Exception as exc:  # noqa: BLE001 - a malformed export must never escape
+            msg = f"cannot process export: {type(exc).__name__}"
+            return self._error(400, _GRPC_INVALID_ARGUMENT, msg, media, "bad_request")
+        self._c.add("requests", "partial" if resp.partial_success.rejected_spans else "ok")
+        if media == JSON:
+            text = json_format.MessageToJson(resp, indent=None)
+            return web.Response(text=text, content_type=JSON)
+        return web.Response(body=resp.SerializeToString(), content_type=PROTOBUF)
+
+    def _decode_and_export(
+        self, body: bytes, media: str, encoding: str
+    ) -> ExportTraceServiceResponse:
+        # A body without the gzip magic was already inflated by the HTTP server (an app
+        # built with aiohttp's auto_decompress on); the read limit then bounded it already.
+        if encoding == "gzip" and body[:2] == b"\x1f\x8b":
+            body = _gunzip(body, self.max_body_bytes)
+        return self.export(decode(body, media))
+
+    # ---- self metrics ----------------------------------------------------------------
+    def add_samples(self, batch: Batch) -> None:
+        """Add ``kvpressure_otlp_requests_total{result}`` and ``..._spans_received_total``."""
+        with self._c.lock:
+            requests = sorted(self._c.requests.items())
+            spans = sorted(self._c.spans.items())
+        for result, n in requests:
+            batch.add(REQUESTS_METRIC, n, result=result)
+        for result, n in spans:
+            batch.add(SPANS_METRIC, n, result=result)
+
+
+def _status_pb(code: int, message: str) -> bytes:
+    """Encode a ``google.rpc.Status`` (fields 1: code, 2: message) without its package."""
+    msg = message.encode("utf-8")[:1024]
+    out = bytearray(b"\x08")
+    out += _varint(code)
+    out += b"\x12" + _varint(len(msg)) + msg
+    return bytes(out)
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(b | 0x80)
+        else:
+            out.append(b)
+            return bytes(out)
+
+
+__all__ = ["PATH", "OtlpDecodeError", "OtlpReceiver", "decode"]

@@ -1,0 +1,688 @@
+"""Streaming reverse proxy that times every inference request it forwards.
+
+One :class:`RequestProxy` per ``proxies:`` entry listens on ``listen`` and forwards every
+request to ``upstream``: method, path, query, headers (less hop-by-hop ones) and body
+(small bodies in one piece, larger or chunked ones streamed); the response is passed back
+chunk by chunk as it arrives (SSE and chunked bodies are never buffered, bytes are not
+re-encoded: ``auto_decompress`` is off).
+
+For inference paths (``POST`` to ``/v1/chat/completions``, ``/v1/completions``,
+``/completion``, ``/v1/responses``, ``/v1/messages``, ``/infill``, ``/generate``,
+``/generate_stream``, ``/api/generate``, ``/api/chat``) it submits one
+:class:`~agent.requests.record.RequestRecord` with:
+
+* ``upstream_connect_s``: TCP connect to the upstream (aiohttp ``TraceConfig``; absent when
+  a kept-alive connection was reused),
+* ``ttft_s``: arrival of the first content-bearing chunk (SSE ``data:`` event, or NDJSON
+  line, with non-empty ``choices[].delta.content`` / ``reasoning_content`` / ``tool_calls``,
+  ``choices[].text``, llama.cpp ``content``, TGI ``token.text``, Ollama ``response`` /
+  ``message.content``), from the request's arrival at the proxy,
+* ``itl_s``: gaps between successive network chunks that carried content,
+* ``e2e_s``, ``status``, ``outcome``, ``error_type``,
+* tokens from OpenAI ``usage`` (``prompt_tokens``, ``completion_tokens``,
+  ``prompt_tokens_details.cached_tokens``), else llama.cpp ``timings`` (``prompt_n`` +
+  ``cache_n``, ``predicted_n``, ``cache_n``) or Ollama's final line (``prompt_eval_count``,
+  ``eval_count``); prefill/decode time from ``timings.prompt_ms`` / ``predicted_ms`` (or
+  Ollama's ``prompt_eval_duration`` / ``eval_duration``, ns).
+
+Outcomes: ``ok``; ``client_error`` / ``server_error`` by status; ``context_exceeded`` when
+the engine says the prompt does not fit (llama.cpp 400 ``exceed_context_size_error``,
+vLLM/OpenAI "maximum context length"); ``kv_exhausted`` when a shared KV pool filled
+(llama.cpp 500 ``"Context size has been exceeded."``, as the body or, on a stream already
+answered 200, as an SSE ``data: {"error": ...}`` event); ``upstream_down`` (a quick 502
+when the upstream refuses or does not accept the connection within
+``connect_timeout_s``); ``cancelled`` (the client went away: the upstream request is
+closed too, so the engine stops generating).
+
+Only the small JSON framing of each event is parsed, for booleans and numbers; prompt and
+completion text is never stored or logged. Other paths (``/health``, ``/metrics``,
+``/slots``, ...) pass through without a record.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import time
+from collections.abc import AsyncIterator
+from types import SimpleNamespace
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict, CIMultiDictProxy
+from yarl import URL
+
+from agent.requests.record import MAX_ITL_GAPS, RequestRecord, RequestStream
+
+log = logging.getLogger(__name__)
+
+INFERENCE_PATH = re.compile(
+    r"^/(?:v1/)?(?:chat/completions|completions|completion|responses|messages|infill)$"
+    r"|^/(?:generate|generate_stream|api/generate|api/chat)$"
+)
+"""Paths whose POSTs are inference requests (timed and recorded)."""
+
+HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "trailers",
+        "transfer-encoding",
+        "upgrade",
+    }
+)
+"""Headers that describe one connection and are never forwarded (RFC 9110 section 7.6.1)."""
+
+_DROP_REQUEST = HOP_BY_HOP | {"host", "expect", "content-length"}
+_DROP_RESPONSE = HOP_BY_HOP | {"content-length", "date", "server"}
+
+INLINE_BODY_MAX = 1 << 20
+"""Request bodies up to this size (with a Content-Length) are read whole and sent in one
+write; larger or chunked ones are streamed."""
+
+MAX_LINE_BYTES = 1 << 20
+"""A longer SSE/NDJSON line is skipped, not parsed (its bytes are still forwarded)."""
+
+MAX_JSON_BYTES = 4 << 20
+"""Largest non-streamed JSON response kept to read ``usage``/``timings``/``error`` from."""
+
+_ERROR_BODY = (
+    b'{"error":{"code":502,"message":"kvpressure proxy: upstream unavailable",'
+    b'"type":"upstream_down"}}'
+)
+
+
+# --- response observation ---------------------------------------------------------------
+
+
+def _int(v: object) -> int | None:
+    if isinstance(v, bool):
+        return None
+    if isinstance(v, int) and v >= 0:
+        return v
+    if isinstance(v, float) and v >= 0 and v.is_integer():
+        return int(v)
+    return None
+
+
+def _float(v: object) -> float | None:
+    if isinstance(v, bool):
+        return None
+    if isinstance(v, int | float) and v >= 0:
+        return float(v)
+    return None
+
+
+def _has_content(obj: dict[str, Any]) -> bool:
+    """True when a streamed event carries generated text (not just role/usage framing)."""
+    choices = obj.get("choices")
+    if isinstance(choices, list):
+        for c in choices:
+            if not isinstance(c, dict):
+                continue
+            d = c.get("delta")
+            if isinstance(d, dict) and (
+                d.get("content")
+                or d.get("reasoning_content")
+                or d.get("reasoning")
+                or d.get("tool_calls")
+            ):
+                return True
+            if c.get("text"):
+                return True
+        return False
+    if obj.get("content"):  # llama.cpp /completion
+        return True
+    tok = obj.get("token")  # TGI generate_stream
+    if isinstance(tok, dict):
+        return bool(tok.get("text")) and not tok.get("special")
+    if obj.get("response"):  # Ollama /api/generate
+        return True
+    msg = obj.get("message")  # Ollama /api/chat
+    if isinstance(msg, dict) and msg.get("content"):
+        return True
+    typ = obj.get("type")  # OpenAI Responses API, Anthropic messages
+    if typ == "response.output_text.delta" and obj.get("delta"):
+        return True
+    if typ == "content_block_delta":
+        d = obj.get("delta")
+        return isinstance(d, dict) and bool(d.get("text") or d.get("partial_json"))
+    return False
+
+
+class Observer:
+    """Reads timing and token framing out of a response body as it streams past.
+
+    Feed every chunk with its arrival time (monotonic seconds); only JSON framing is
+    parsed and only numbers, booleans and the engine's error type are kept.
+
+    Args:
+        mode: ``sse`` (``text/event-stream``), ``ndjson`` (``application/x-ndjson``) or
+            ``json`` (one JSON document, kept up to :data:`MAX_JSON_BYTES`).
+    """
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+        self.first_content: float | None = None
+        self.last_content: float | None = None
+        self.gaps: list[float] = []
+        self.model: str | None = None
+        self.input_tokens: int | None = None
+        self.output_tokens: int | None = None
+        self.cached_tokens: int | None = None
+        self.prefill_s: float | None = None
+        self.decode_s: float | None = None
+        self.error_type: str | None = None
+        self.error_outcome: str | None = None
+        self._usage: dict[str, Any] | None = None
+        self._timings: dict[str, Any] | None = None
+        self._ollama: dict[str, Any] | None = None
+        self._tgi_generated: int | None = None
+        self._buf = bytearray()
+        self._skip_line = False
+        self._json_over = False
+
+    def feed(self, chunk: bytes, t: float) -> None:
+        """Observe one network chunk that arrived at monotonic time ``t``."""
+        if self.mode == "json":
+            if not self._json_over:
+                if len(self._buf) + len(chunk) > MAX_JSON_BYTES:
+                    self._json_over = True
+                    self._buf.clear()
+                else:
+                    self._buf += chunk
+            return
+        content = False
+        start = 0
+        while True:
+            nl = chunk.find(b"\n", start)
+            if nl < 0:
+                rest = chunk[start:]
+                if not self._skip_line:
+                    if len(self._buf) + len(rest) > MAX_LINE_BYTES:
+                        self._skip_line = True
+                        self._buf.clear()
+                    else:
+                        self._buf += rest
+                break
+            piece = chunk[start:nl]
+            start = nl + 1
+            if self._skip_line:
+                self._skip_line = False
+                self._buf.clear()
+                continue
+            if self._buf:
+                self._buf += piece
+                line = bytes(self._buf)
+                self._buf.clear()
+            else:
+                line = piece
+            if len(line) <= MAX_LINE_BYTES:
+                content = self._line(line) or content
+        if content:
+            if self.first_content is None:
+                self.first_content = t
+            elif self.last_content is not None and len(self.gaps) < MAX_ITL_GAPS:
+                self.gaps.append(t - self.last_content)
+            self.last_content = t
+
+    def _line(self, line: bytes) -> bool:
+        """Handle one complete line; True when it carried generated content."""
+        line = line.strip()
+        if not line:
+            return False
+        if self.mode == "sse":
+            if line.startswith(b"data:"):
+                payload = line[5:].strip()
+            elif line.startswith(b"error:"):  # older llama.cpp streams errors this way
+                payload = line[6:].strip()
+            else:
+                return False  # event:, id:, retry:, comments
+            if not payload or payload == b"[DONE]":
+                return False
+        else:
+            payload = line
+        try:
+            obj = json.loads(payload)
+        except (ValueError, RecursionError):
+            return False
+        if not isinstance(obj, dict):
+            return False
+        self._meta(obj)
+        return _has_content(obj)
+
+    def _meta(self, obj: dict[str, Any]) -> None:
+        """Keep model, usage, timings and the error type of one event or document."""
+        if self.model is None:
+            m = obj.get("model")
+            if isinstance(m, str) and m:
+                self.model = m[:256]
+        err = obj.get("error")
+        if err is not None:
+            self._error(err)
+        u = obj.get("usage")
+        if isinstance(u, dict):
+            self._usage = u
+        t = obj.get("timings")
+        if isinstance(t, dict):
+            self._timings = t
+        if obj.get("done") is True:  # Ollama's final line
+            self._ollama = obj
+        details = obj.get("details")  # TGI's final event
+        if isinstance(details, dict):
+            self._tgi_generated = _int(details.get("generated_tokens"))
+        resp = obj.get("response")  # OpenAI Responses API: usage sits on the response
+        if isinstance(resp, dict) and isinstance(resp.get("usage"), dict):
+            self._usage = resp["usage"]
+
+    def _error(self, err: object) -> None:
+        etype: str | None = None
+        message = ""
+        code: object = None
+        if isinstance(err, dict):
+            t = err.get("type")
+            etype = t[:64] if isinstance(t, str) and t else None
+            m = err.get("message")
+            message = m[:512] if isinstance(m, str) else ""
+            code = err.get("code")
+        elif isinstance(err, str):
+            message = err[:512]
+        self.error_type = etype or self.error_type or "error"
+        self.error_outcome = classify_error(etype, message, code)
+
+    def finish(self) -> None:
+        """Parse a kept JSON document and settle tokens and times (call once, at the end)."""
+        if self.mode == "json" and self._buf and not self._json_over:
+            try:
+                obj = json.loads(bytes(self._buf))
+            except (ValueError, RecursionError):
+                obj = None
+            self._buf.clear()
+            if isinstance(obj, dict):
+                self._meta(obj)
+        u, t, o = self._usage, self._timings, self._ollama
+        if u is not None:
+            self.input_tokens = _int(u.get("prompt_tokens", u.get("input_tokens")))
+            self.output_tokens = _int(u.get("completion_tokens", u.get("output_tokens")))
+            details = u.get("prompt_tokens_details", u.get("input_tokens_details"))
+            if isinstance(details, dict):
+                self.cached_tokens = _int(details.get("cached_tokens"))
+        if t is not None:
+            prompt_n, cache_n = _int(t.get("prompt_n")), _int(t.get("cache_n"))
+            if self.input_tokens is None and prompt_n is not None:
+                self.input_tokens = prompt_n + (cache_n or 0)
+            if self.output_tokens is None:
+                self.output_tokens = _int(t.get("predicted_n"))
+            if self.cached_tokens is None:
+                self.cached_tokens = cache_n
+            ms = _float(t.get("prompt_ms"))
+            self.prefill_s = ms / 1000.0 if ms is not None else None
+            ms = _float(t.get("predicted_ms"))
+            self.decode_s = ms / 1000.0 if ms is not None else None
+        if o is not None:
+            if self.input_tokens is None:
+                self.input_tokens = _int(o.get("prompt_eval_count"))
+            if self.output_tokens is None:
+                self.output_tokens = _int(o.get("eval_count"))
+            ns = _float(o.get("prompt_eval_duration"))
+            if self.prefill_s is None and ns is not None:
+                self.prefill_s = ns / 1e9
+            ns = _float(o.get("eval_duration"))
+            if self.decode_s is None and ns is not None:
+                self.decode_s = ns / 1e9
+        if self.output_tokens is None:
+            self.output_tokens = self._tgi_generated
+
+
+def classify_error(error_type: str | None, message: str, code: object = None) -> str:
+    """Map an engine's error to an outcome.
+
+    Args:
+        error_type: the error's ``type`` field (llama.cpp ``exceed_context_size_error``,
+            ``server_error``; OpenAI ``invalid_request_error``).
+        message: the error's ``message`` (matched, never stored).
+        code: the error's ``code`` field (llama.cpp repeats the HTTP status there).
+
+    Returns:
+        ``context_exceeded``, ``kv_exhausted``, ``client_error`` or ``server_error``.
+    """
+    low = message.lower()
+    et = (error_type or "").lower()
+    if (
+        et == "exceed_context_size_error"
+        or "context_length_exceeded" in et
+        or "maximum context length" in low
+    ):
+        return "context_exceeded"
+    if "context size has been exceeded" in low:
+        return "kv_exhausted"
+    if isinstance(code, int) and not isinstance(code, bool) and 400 <= code < 500:
+        return "client_error"
+    return "server_error"
+
+
+def _mode(content_type: str, content_encoding: str) -> str | None:
+    if content_encoding and content_encoding.lower() != "identity":
+        return None  # compressed: time chunks, parse nothing
+    media = content_type.split(";", 1)[0].strip().lower()
+    if media == "text/event-stream":
+        return "sse"
+    if media in ("application/x-ndjson", "application/jsonl", "application/json-seq"):
+        return "ndjson"
+    if media == "application/json" or media.endswith("+json"):
+        return "json"
+    return None
+
+
+# --- the proxy --------------------------------------------------------------------------
+
+
+def _filter(headers: CIMultiDictProxy[str], drop: frozenset[str] | set[str]) -> CIMultiDict[str]:
+    """Copy ``headers`` without ``drop`` and without those the Connection header names."""
+    extra = {t.strip().lower() for v in headers.getall("Connection", []) for t in v.split(",")}
+    out: CIMultiDict[str] = CIMultiDict()
+    for k, v in headers.items():
+        lk = k.lower()
+        if lk not in drop and lk not in extra:
+            out.add(k, v)
+    return out
+
+
+async def _on_conn_start(
+    _s: aiohttp.ClientSession, ctx: SimpleNamespace, _p: aiohttp.TraceConnectionCreateStartParams
+) -> None:
+    holder = ctx.trace_request_ctx
+    if holder is not None:
+        holder.connect_t0 = time.monotonic()
+
+
+async def _on_conn_end(
+    _s: aiohttp.ClientSession, ctx: SimpleNamespace, _p: aiohttp.TraceConnectionCreateEndParams
+) -> None:
+    holder = ctx.trace_request_ctx
+    if holder is not None and holder.connect_t0 is not None:
+        holder.connect_s = time.monotonic() - holder.connect_t0
+
+
+async def _on_conn_reuse(
+    _s: aiohttp.ClientSession,
+    ctx: SimpleNamespace,
+    _p: aiohttp.TraceConnectionReuseconnParams,
+) -> None:
+    holder = ctx.trace_request_ctx
+    if holder is not None:
+        holder.reused = True
+
+
+def _split_listen(listen: str) -> tuple[str, int]:
+    host, _, port = listen.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+class RequestProxy:
+    """One streaming reverse proxy (see the module docstring).
+
+    Args:
+        listen: ``host:port`` to listen on (port 0 picks a free one; see :attr:`port`).
+        upstream: base URL of the engine, e.g. ``http://127.0.0.1:8080``.
+        engine: the ``engine`` label of the records.
+        stream: where records go.
+        connect_timeout_s: seconds to wait for the upstream TCP connect before answering
+            502 ``upstream_down``.
+        max_connections: most upstream connections at once (later requests wait).
+    """
+
+    def __init__(
+        self,
+        listen: str,
+        upstream: str,
+        engine: str,
+        stream: RequestStream,
+        connect_timeout_s: float = 5.0,
+        max_connections: int = 1024,
+    ) -> None:
+        self.listen = listen
+        self.upstream = upstream.rstrip("/")
+        self.engine = engine
+        self._stream = stream
+        self._connect_timeout_s = connect_timeout_s
+        self._max_connections = max_connections
+        self._session: aiohttp.ClientSession | None = None
+        self._runner: web.AppRunner | None = None
+        self.port: int | None = None
+
+    @property
+    def spec(self) -> tuple[str, str, str, float]:
+        """What the proxy was built from; a reload restarts it when this changes."""
+        return (self.listen, self.upstream, self.engine, self._connect_timeout_s)
+
+    async def start(self) -> None:
+        """Bind the listener and open the upstream session.
+
+        Raises:
+            OSError: the listen address cannot be bound.
+        """
+        trace = aiohttp.TraceConfig()
+        trace.on_connection_create_start.append(_on_conn_start)
+        trace.on_connection_create_end.append(_on_conn_end)
+        trace.on_connection_reuseconn.append(_on_conn_reuse)
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(
+                limit=self._max_connections, keepalive_timeout=4.0, enable_cleanup_closed=False
+            ),
+            timeout=aiohttp.ClientTimeout(
+                total=None, sock_connect=self._connect_timeout_s, sock_read=None
+            ),
+            auto_decompress=False,
+            trace_configs=[trace],
+            cookie_jar=aiohttp.DummyCookieJar(),
+            skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
+        )
+        app = web.Application(client_max_size=INLINE_BODY_MAX + 1)
+        app.router.add_route("*", "/{tail:.*}", self._handle)
+        runner = web.AppRunner(
+            app, access_log=None, handle_signals=False, handler_cancellation=True
+        )
+        await runner.setup()
+        host, port = _split_listen(self.listen)
+        site = web.TCPSite(runner, host, port, reuse_address=True)
+        try:
+            await site.start()
+        except OSError:
+            await runner.cleanup()
+            await self._session.close()
+            self._session = None
+            raise
+        self._runner = runner
+        server = site._server
+        sockets = getattr(server, "sockets", None) or []
+        self.port = sockets[0].getsockname()[1] if sockets else port
+        log.info(
+            "proxy listening",
+            extra={
+                "kv": {
+                    "address": f"{host}:{self.port}",
+                    "upstream": self.upstream,
+                    "engine": self.engine,
+                }
+            },
+        )
+
+    async def close(self) -> None:
+        """Stop listening and close the upstream session."""
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def _body(self, request: web.Request) -> bytes | AsyncIterator[bytes] | None:
+        if not request.body_exists:
+            return None
+        n = request.content_length
+        if n is not None and n <= INLINE_BODY_MAX:
+            return await request.read()
+        return request.content.iter_chunked(65536)
+
+    async def _open(
+        self,
+        request: web.Request,
+        headers: CIMultiDict[str],
+        body: bytes | AsyncIterator[bytes] | None,
+        holder: SimpleNamespace,
+    ) -> aiohttp.ClientResponse:
+        assert self._session is not None
+        url = URL(self.upstream + request.raw_path, encoded=True)
+        for attempt in (0, 1):
+            try:
+                return await self._session.request(
+                    request.method,
+                    url,
+                    headers=headers,
+                    data=body,
+                    allow_redirects=False,
+                    trace_request_ctx=holder,
+                    compress=None,
+                )
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
+                # A kept-alive connection the engine had closed: retry once on a new one
+                # when the body can be sent again.
+                if attempt or not holder.reused or not isinstance(body, bytes | None):
+                    raise
+                holder.reused = False
+        raise AssertionError("unreachable")
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        t_wall = time.time()
+        t0 = time.monotonic()
+        inference = request.method == "POST" and INFERENCE_PATH.match(request.path) is not None
+        holder = SimpleNamespace(connect_t0=None, connect_s=None, reused=False)
+        rec: dict[str, Any] = {}
+        outcome = "ok"
+        status: int | None = None
+        observer: Observer | None = None
+        upstream: aiohttp.ClientResponse | None = None
+        try:
+            headers = _filter(request.headers, _DROP_REQUEST)
+            if request.content_length is not None and request.content_length > INLINE_BODY_MAX:
+                headers["Content-Length"] = str(request.content_length)
+            body = await self._body(request)
+            try:
+                upstream = await self._open(request, headers, body, holder)
+            except (aiohttp.ClientConnectionError, TimeoutError) as exc:
+                outcome, status = "upstream_down", 502
+                rec["error_type"] = type(exc).__name__
+                kv = {"engine": self.engine, "upstream": self.upstream, "error": rec["error_type"]}
+                log.warning("upstream unavailable", extra={"kv": kv})
+                return web.Response(status=502, body=_ERROR_BODY, content_type="application/json")
+            status = upstream.status
+            resp = web.StreamResponse(
+                status=upstream.status,
+                reason=upstream.reason,
+                headers=_filter(upstream.headers, _DROP_RESPONSE),
+            )
+            if upstream.content_length is not None and request.method != "HEAD":
+                resp.content_length = upstream.content_length
+            if inference:
+                mode = _mode(
+                    upstream.headers.get("Content-Type", ""),
+                    upstream.headers.get("Content-Encoding", ""),
+                )
+                observer = Observer(mode) if mode else None
+            await resp.prepare(request)
+            content = upstream.content
+            while True:
+                try:
+                    chunk = await content.readany()
+                except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError):
+                    # The engine dropped the connection mid-response: end the client's
+                    # response abruptly too, so the truncation is visible to it.
+                    outcome = "server_error"
+                    rec["error_type"] = "upstream_disconnected"
+                    upstream.close()
+                    if request.transport is not None:
+                        request.transport.close()
+                    return resp
+                if not chunk:
+                    break
+                t = time.monotonic()
+                await resp.write(chunk)  # ConnectionResetError when the client went away
+                if observer is not None:
+                    observer.feed(chunk, t)
+            await resp.write_eof()
+            return resp
+        except (ConnectionResetError, asyncio.CancelledError):
+            outcome = "cancelled"
+            raise
+        finally:
+            if upstream is not None:
+                if outcome == "cancelled":
+                    upstream.close()  # drop the connection: the engine stops generating
+                else:
+                    upstream.release()
+            if inference:
+                self._record(t_wall, t0, outcome, status, observer, holder, rec)
+
+    def _record(
+        self,
+        t_wall: float,
+        t0: float,
+        outcome: str,
+        status: int | None,
+        observer: Observer | None,
+        holder: SimpleNamespace,
+        rec: dict[str, Any],
+    ) -> None:
+        e2e = time.monotonic() - t0
+        if observer is not None:
+            observer.finish()
+        if outcome == "ok" and status is not None:
+            if observer is not None and observer.error_outcome is not None:
+                outcome = observer.error_outcome
+            elif status >= 500:
+                outcome = "server_error"
+            elif status >= 400:
+                outcome = "client_error"
+        o = observer
+        record = RequestRecord(
+            engine=self.engine,
+            start=t_wall,
+            end=t_wall + e2e,
+            outcome=outcome,
+            source="proxy",
+            model=o.model if o else None,
+            ttft_s=(o.first_content - t0) if o and o.first_content is not None else None,
+            e2e_s=e2e,
+            prefill_s=o.prefill_s if o else None,
+            decode_s=o.decode_s if o else None,
+            itl_s=tuple(o.gaps) if o else (),
+            input_tokens=o.input_tokens if o else None,
+            output_tokens=o.output_tokens if o else None,
+            cached_tokens=o.cached_tokens if o else None,
+            upstream_connect_s=holder.connect_s,
+            status=status,
+            error_type=(o.error_type if o and o.error_type else rec.get("error_type")),
+        )
+        self._stream.submit(record)
+        log.debug(
+            "request",
+            extra={
+                "kv": {
+                    "engine": self.engine,
+                    "status": status,
+                    "outcome": record.outcome,
+                    "ttft_s": record.ttft_s,
+                    "e2e_s": round(e2e, 6),
+                    "output_tokens": record.output_tokens,
+                }
+            },
+        )
