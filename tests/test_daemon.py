@@ -227,3 +227,45 @@ def test_systemd_notify_ready_and_watchdog(tmp_path):
     assert got.index(ready[0]) < next(i for i, m in enumerate(got) if "WATCHDOG=1" in m)
     assert any(m.startswith("RELOADING=1\nMONOTONIC_USEC=") for m in got)
     assert any("STOPPING=1" in m for m in got)
+
+
+def test_fake_h200_binding_serves_every_design_gpu_metric():
+    """`kvpressure run` with gpu.binding: fake:h200 serves the GPU names DESIGN.md lists."""
+    cfg = parse(
+        "listen: '127.0.0.1:0'\ninterval_s: 0.2\n"
+        "samplers: {host: {enabled: false}, engines: {enabled: false}}\n"
+        "discovery: {enabled: false}\ngpu: {binding: 'fake:h200'}\n"
+    )
+    d = Daemon(cfg)
+    loop, t = _run_daemon(d)
+    design = {
+        "kvpressure_gpu_memory_total_bytes",
+        "kvpressure_gpu_memory_used_bytes",
+        "kvpressure_gpu_memory_reserved_bytes",
+        "kvpressure_gpu_utilization_ratio",
+        "kvpressure_gpu_memory_bandwidth_utilization_ratio",
+        "kvpressure_gpu_sm_occupancy_ratio",
+        "kvpressure_gpu_pcie_bytes",
+        "kvpressure_gpu_nvlink_bytes",
+        "kvpressure_gpu_clock_event_active",
+        "kvpressure_gpu_process_memory_bytes",
+        "kvpressure_accelerator_stall_seconds",
+    }
+    try:
+        base = f"http://127.0.0.1:{d.bound_port}"
+        deadline = time.monotonic() + 10
+        names: set[str] = set()
+        while time.monotonic() < deadline and not design <= names:
+            text = httpx.get(base + "/metrics").text
+            names = {f.name for f in text_string_to_metric_families(text) if f.samples}
+            time.sleep(0.2)
+    finally:
+        loop.call_soon_threadsafe(d.request_stop)
+        t.join(5)
+    assert design <= names, sorted(design - names)
+    total = next(
+        f
+        for f in text_string_to_metric_families(text)
+        if f.name == "kvpressure_gpu_memory_total_bytes"
+    )
+    assert total.samples[0].value == 143771 * 2**20  # H200 as NVML reports it
