@@ -1,0 +1,142 @@
+"""Turns rule scores into an attribution: the primary cause of a slow request or window.
+
+Primary cause::
+
+    gpu_fault        if score(gpu_fault) >= min_score
+    engine_restart   elif score(engine_restart) >= min_score
+    argmax over {memory, storage, network, compute}
+                     elif that score >= min_score (ties: the order above)
+    unknown          otherwise
+
+Event causes outrank resource causes because they explain them: after a restart the prefix
+cache is empty and requests queue while weights load, which reads as memory pressure (case
+22); a GPU that fell off the bus stalls everything (case 5). ``unknown`` with
+``engine_metrics`` in ``unassessed`` means "the engine's metrics were unavailable", never
+"no memory pressure" (case 20).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from agent.attribution.detector import Verdict, quantile
+from agent.attribution.model import (
+    CAUSES,
+    EVENT_CAUSES,
+    UNKNOWN,
+    Attribution,
+    WindowAttribution,
+)
+from agent.attribution.rules import Params, Scope, evaluate
+from agent.attribution.signals import Signals
+from agent.requests.record import RequestRecord
+
+
+def primary_cause(scores: Mapping[str, float], min_score: float) -> str:
+    """Return the primary cause for ``scores`` (rules in the module docstring)."""
+    for ev in EVENT_CAUSES:
+        if scores.get(ev, 0.0) >= min_score:
+            return ev
+    best, best_score = UNKNOWN, 0.0
+    for cause in CAUSES:
+        s = scores.get(cause, 0.0)
+        if s > best_score:
+            best, best_score = cause, s
+    return best if best_score >= min_score else UNKNOWN
+
+
+class Attributor:
+    """Scores slow requests and windows against the timeline.
+
+    Args:
+        params: rule thresholds and the cold-start horizon.
+        lead_in_s: seconds before a request's start that are read too.
+        min_score: the lowest score that can name a primary cause.
+    """
+
+    def __init__(self, params: Params, lead_in_s: float = 2.0, min_score: float = 0.3) -> None:
+        self.params = params
+        self.lead_in_s = lead_in_s
+        self.min_score = min_score
+
+    def attribute_request(
+        self, sig: Signals, record: RequestRecord, verdict: Verdict
+    ) -> Attribution:
+        """Attribute one slow request.
+
+        The scope read is ``[record.start - lead_in_s, record.end]``.
+        """
+        scope = Scope(record.engine, record.start, record.end, self.lead_in_s, record)
+        scores, evidence, unassessed = evaluate(sig, scope, self.params)
+        return Attribution(
+            engine=record.engine,
+            start=record.start,
+            end=record.end,
+            cause=primary_cause(scores, self.min_score),
+            scores=scores,
+            evidence=tuple(evidence),
+            unassessed=unassessed,
+            phase=verdict.phase,
+            latency_s=verdict.latency_s,
+            threshold_s=verdict.threshold_s,
+            basis=verdict.basis,
+            outcome=record.outcome,
+            model=record.model,
+            input_tokens=record.input_tokens,
+            output_tokens=record.output_tokens,
+            trace_id=record.trace_id,
+            span_id=record.span_id,
+        )
+
+    def attribute_window(
+        self,
+        sig: Signals,
+        engine: str,
+        start: float,
+        end: float,
+        latencies: Sequence[float],
+        slow: int,
+        engine_p95_s: float | None = None,
+        slo_s: float | None = None,
+    ) -> WindowAttribution:
+        """Attribute the window ``[start, end)`` of ``engine``.
+
+        Args:
+            sig: timeline signals covering the window.
+            engine: the ``engine`` label.
+            start: window start, Unix seconds.
+            end: window end.
+            latencies: judged latencies of the requests that ended in the window.
+            slow: how many of them were slow.
+            engine_p95_s: the engine's own tail-latency quantile over the window (from
+                ``kvpressure_engine_latency_seconds``) when no request records exist.
+            slo_s: the SLO ``engine_p95_s`` is compared to.
+
+        Returns:
+            Scores for every window; a primary cause only when the window was slow (slow
+            requests, or ``engine_p95_s > slo_s`` when there were no records).
+        """
+        scores, evidence, unassessed = evaluate(sig, Scope(engine, start, end), self.params)
+        p95: float | None = None
+        if latencies:
+            p95 = quantile(sorted(latencies), 0.95)
+        elif engine_p95_s is not None:
+            p95 = engine_p95_s
+        is_slow = slow > 0 or (
+            not latencies
+            and engine_p95_s is not None
+            and slo_s is not None
+            and engine_p95_s > slo_s
+        )
+        return WindowAttribution(
+            engine=engine,
+            start=start,
+            end=end,
+            cause=primary_cause(scores, self.min_score) if is_slow else None,
+            scores=scores,
+            evidence=tuple(evidence),
+            unassessed=unassessed,
+            requests=len(latencies),
+            slow=slow,
+            p95_s=p95,
+        )

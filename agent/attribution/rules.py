@@ -1,0 +1,713 @@
+"""The scoring rules: one row per piece of evidence, each mapping an observed value to a score.
+
+Every rule reads one signal over the scope being attributed (a slow request's lifetime
+plus a lead-in, or a window) and scores it with a linear ramp::
+
+    ramp(v, threshold, saturation) = clamp((v - threshold) / (saturation - threshold), 0, 1)
+    score = weight x ramp(value, threshold, saturation)
+
+so a value at or below ``threshold`` scores 0 and one at or beyond ``saturation`` scores
+``weight``. A rule whose ``saturation`` is below its ``threshold`` scores falling values
+(headroom, seconds since a restart). A cause's score is the largest score of its rules: the
+strongest single piece of evidence, which a person can check by reading one number.
+
+Thresholds are configuration (``attribution.thresholds.<rule>: [threshold, saturation]``);
+weights are fixed here and say how directly the signal implies that the cause slowed
+requests (a full KV cache alone slows nothing; requests queued while it is full do).
+
+Rules and their defaults (``rate`` means per second over the scope, from counters; ``max``,
+``min``, ``mean`` are over the gauge samples in the scope; engine signals match the
+request's ``engine`` label; PSI prefers the engine's own cgroup, ``scope=<engine>``, over
+``scope=system``):
+
+========================== ======== ====== ============= =========================================
+rule                       cause    weight default       value
+========================== ======== ====== ============= =========================================
+queue_while_full           memory   1.0    [0.0, 0.5]    share of engine samples with requests
+                                                         waiting while every slot is processing
+                                                         or KV usage >= kv_cache_usage threshold
+kv_cache_usage             memory   0.6    [0.90, 0.98]  max KV-cache usage ratio
+preemptions                memory   1.0    [0, 2]        preemptions in the scope (increase)
+prefix_cache_collapse      memory   0.6    [0.5, 0.9]    relative drop of the prefix-cache hit
+                                                         rate vs the 5 minutes before the scope
+gpu_memory_headroom        memory   0.5    [0.05, 0.01]  min free/total GPU memory (engine GPUs)
+psi_memory_some            memory   1.0    [0.05, 0.30]  memory PSI some stall rate (s/s)
+psi_memory_full            memory   1.0    [0.02, 0.15]  memory PSI full stall rate (s/s)
+swap_in                    memory   0.9    [10, 1000]    swap-in pages/s
+swap_out                   memory   0.6    [10, 1000]    swap-out pages/s
+allocstalls                memory   0.8    [1, 50]       direct-reclaim stalls/s
+memory_available           memory   0.6    [0.10, 0.02]  min available/total host memory
+kv_exhausted               memory   1.0    [0, 1]        1 when the request failed because the
+                                                         engine's KV pool filled (record outcome)
+major_faults               memory   0.7    [100, 2000]   major page faults/s; counted as memory
+                           /storage                      when another host memory rule fired
+                                                         (thrashing), else as storage (weights or
+                                                         KV read back from disk)
+psi_io_some                storage  1.0    [0.10, 0.50]  io PSI some stall rate minus the memory
+                                                         PSI some rate (I/O stalls that memory
+                                                         thrashing does not explain)
+psi_io_full                storage  0.8    [0.05, 0.30]  io PSI full rate minus memory full rate
+disk_busy                  storage  0.6    [0.5, 0.95]   max per-disk utilisation (io_time rate)
+disk_queue                 storage  0.7    [2, 16]       max per-disk average queue depth
+                                                         (weighted io_time rate)
+disk_read                  storage  0.5    [5e7, 5e8]    disk read bytes/s, all disks
+tcp_retransmits            network  0.9    [1, 20]       TCP segments retransmitted/s
+net_errors                 network  0.6    [1, 50]       interface errors + drops/s
+upstream_connect           network  1.0    [0.05, 0.5]   proxy-measured connect time to the
+                                                         engine (record), seconds
+transport_gap              network  0.8    [0.25, 1.0]   TTFT not spent in the engine: TTFT -
+                                                         prefill - queue (record; only when the
+                                                         queue time is known or no request waited).
+                                                         Residual: dropped when a memory, storage
+                                                         or compute rule scored >= min_score, since
+                                                         a stalled engine is also slow to start
+                                                         prefill (CPU-starved HTTP thread, weights
+                                                         and vocabulary paged in before prefill)
+psi_cpu_some               compute  1.0    [0.25, 0.75]  CPU PSI some stall rate (s/s); CPU
+                                                         engines
+gpu_utilization            compute  0.5    [0.95, 1.0]   mean GPU utilisation (engine GPUs)
+gpu_throttle               compute  0.8    [0.0, 0.5]    share of samples with a slowdown clock
+                                                         event active (power cap, thermal, HW)
+accelerator_stall          compute  0.8    [0.1, 0.5]    throttled + memory-bound accelerator
+                                                         stall seconds per second
+engine_restart             engine_  1.0    [60, 0]       seconds from the engine's last restart
+                           restart                       (kvpressure_engine_restarts_total rose) to
+                                                         the start of the scope; within the cold
+                                                         start (weights load, empty prefix cache).
+                                                         ``engine_up`` 0 -> 1 is not a restart
+gpu_fault                  gpu_     1.0    [0, 1]        XID errors or a lost GPU (gpu_up 0) in
+                           fault                         the scope
+========================== ======== ====== ============= =========================================
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from agent.attribution.model import ENGINE_METRICS, Evidence
+from agent.attribution.signals import Signals
+from agent.requests.record import RequestRecord
+
+THROTTLE_REASONS = frozenset(
+    {
+        "sw_power_cap",
+        "hw_slowdown",
+        "sw_thermal_slowdown",
+        "hw_thermal_slowdown",
+        "hw_power_brake_slowdown",
+    }
+)
+"""``kvpressure_gpu_clock_event_active`` reasons that mean the GPU runs slower than asked."""
+
+PREFIX_BASELINE_S = 300.0
+"""Look-back of the prefix-cache hit-rate baseline, seconds."""
+
+PREFIX_MIN_TOKENS = 256.0
+"""Fewest queried prompt tokens (baseline and scope each) for the hit-rate collapse rule."""
+
+PREFIX_MIN_BASELINE_RATE = 0.2
+"""Lowest baseline hit rate that can "collapse"; below it there was little reuse to lose."""
+
+
+@dataclass(frozen=True, slots=True)
+class Scope:
+    """What is being attributed.
+
+    Attributes:
+        engine: the ``engine`` label.
+        start: start of the request or window, Unix seconds.
+        end: end of the request or window.
+        lead_in_s: seconds before ``start`` that are read too (causes precede effects).
+        record: the request, for record-level rules; ``None`` for windows.
+    """
+
+    engine: str
+    start: float
+    end: float
+    lead_in_s: float = 0.0
+    record: RequestRecord | None = None
+
+    @property
+    def a(self) -> float:
+        """Start of the interval read: ``start - lead_in_s``."""
+        return self.start - self.lead_in_s
+
+    @property
+    def b(self) -> float:
+        """End of the interval read."""
+        return self.end
+
+
+@dataclass(frozen=True, slots=True)
+class Measurement:
+    """A rule's observed value and where it came from."""
+
+    value: float
+    metric: str
+    labels: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Params:
+    """Thresholds and horizons the rules use.
+
+    Attributes:
+        thresholds: rule name to ``(threshold, saturation)``; rules not named use their
+            defaults.
+        cold_start_s: seconds after an engine restart during which slow requests are the
+            restart's (weights load, empty prefix cache); sets the ``engine_restart`` ramp.
+        min_score: a residual rule (``transport_gap``) is dropped when a memory, storage or
+            compute rule scored at least this much.
+    """
+
+    thresholds: Mapping[str, tuple[float, float]] = field(default_factory=dict)
+    cold_start_s: float = 60.0
+    min_score: float = 0.3
+
+    def limits(self, rule: RuleSpec) -> tuple[float, float]:
+        """Return ``(threshold, saturation)`` of ``rule``."""
+        if rule.name == "engine_restart" and rule.name not in self.thresholds:
+            return self.cold_start_s, 0.0
+        return self.thresholds.get(rule.name, (rule.threshold, rule.saturation))
+
+
+Measure = Callable[[Signals, Scope, Params], Measurement | None]
+
+
+@dataclass(frozen=True, slots=True)
+class RuleSpec:
+    """One scoring rule (see the module docstring's table).
+
+    Attributes:
+        name: rule name; also the ``signal`` of its evidence and its config key.
+        cause: the cause it scores.
+        weight: the score at saturation.
+        threshold: default value where the score starts.
+        saturation: default value where the score reaches ``weight``.
+        unit: unit of the value.
+        doc: what the value is.
+        measure: reads the value; ``None`` when the signal is not available.
+    """
+
+    name: str
+    cause: str
+    weight: float
+    threshold: float
+    saturation: float
+    unit: str
+    doc: str
+    measure: Measure
+
+
+def ramp(value: float, threshold: float, saturation: float) -> float:
+    """Linear ramp from 0 at ``threshold`` to 1 at ``saturation``, clamped to [0, 1].
+
+    Works in both directions: with ``saturation < threshold`` falling values score.
+
+    >>> ramp(0.5, 0.0, 1.0), ramp(2.0, 0.0, 1.0), ramp(0.02, 0.05, 0.01)
+    (0.5, 1.0, 0.75)
+    """
+    if math.isnan(value):
+        return 0.0
+    if saturation == threshold:
+        return 1.0 if value >= threshold else 0.0
+    return min(1.0, max(0.0, (value - threshold) / (saturation - threshold)))
+
+
+# --- helpers ---------------------------------------------------------------------------------
+
+ENGINE_UP = "kvpressure_engine_up"
+PSI = "kvpressure_psi_stall_seconds_total"
+PSI_AVG10 = "kvpressure_psi_avg10_ratio"
+
+
+def engine_match(sc: Scope) -> dict[str, str]:
+    """Label match for the scope's engine."""
+    return {"engine": sc.engine}
+
+
+def engine_unavailable(sig: Signals, sc: Scope) -> bool:
+    """True when the engine's metrics were not usable for part or all of the scope.
+
+    ``kvpressure_engine_up`` was 0 at some sample in the scope, or the engine has no
+    ``kvpressure_engine_up`` series at all (not scraped). Case 20: then memory cannot be
+    ruled out, and the attribution lists :data:`ENGINE_METRICS` as unassessed.
+    """
+    vals = sig.gauge_values(ENGINE_UP, sc.a, sc.b, engine_match(sc))
+    return not vals or min(vals) < 1.0
+
+
+def psi_rate(
+    sig: Signals, sc: Scope, resource: str, kind: str
+) -> tuple[float, dict[str, str]] | None:
+    """Stall seconds per second of ``resource``/``kind`` PSI over the scope.
+
+    Prefers the engine's cgroup (``scope=<engine>``), else ``scope=system``. Falls back to
+    the mean ``avg10`` gauge when the counter has too few points.
+    """
+    for scope in (sc.engine, "system"):
+        labels = {"resource": resource, "kind": kind, "scope": scope}
+        if not sig.has(PSI, labels) and not sig.has(PSI_AVG10, labels):
+            continue
+        r = sig.counter_rate(PSI, sc.a, sc.b, labels)
+        if r is not None:
+            return r, labels
+        vals = sig.gauge_values(PSI_AVG10, sc.a, sc.b, labels)
+        if vals:
+            return sum(vals) / len(vals), labels
+    return None
+
+
+def gpu_filter(sig: Signals, sc: Scope) -> Callable[[Mapping[str, str]], bool]:
+    """Predicate over GPU series labels: the engine's GPUs where known, else every GPU."""
+    gpus = {
+        s.labels.get("gpu")
+        for s in sig.series("kvpressure_gpu_process_memory_bytes", engine_match(sc))
+    }
+    gpus.discard(None)
+    if not gpus:
+        return lambda _labels: True
+    return lambda labels: labels.get("gpu") in gpus
+
+
+# --- memory -------------------------------------------------------------------------------
+
+
+def _queue_while_full(sig: Signals, sc: Scope, p: Params) -> Measurement | None:
+    m = engine_match(sc)
+    waiting = sig.gauge_by_time("kvpressure_engine_requests_waiting", sc.a, sc.b, m)
+    if not waiting:
+        return None
+    total = sig.gauge_by_time("kvpressure_engine_slots", sc.a, sc.b, {**m, "state": "total"})
+    busy = sig.gauge_by_time("kvpressure_engine_slots", sc.a, sc.b, {**m, "state": "processing"})
+    kv = sig.gauge_by_time("kvpressure_engine_kv_cache_usage_ratio", sc.a, sc.b, m)
+    kv_full = p.limits(RULES_BY_NAME["kv_cache_usage"])[0]
+    hits = 0
+    for t, w in waiting.items():
+        slots_full = t in total and t in busy and total[t] > 0 and busy[t] >= total[t]
+        kv_high = t in kv and kv[t] >= kv_full
+        if w > 0 and (slots_full or kv_high):
+            hits += 1
+    return Measurement(hits / len(waiting), "kvpressure_engine_requests_waiting")
+
+
+def _kv_cache_usage(sig: Signals, sc: Scope, p: Params) -> Measurement | None:
+    v = sig.gauge_max("kvpressure_engine_kv_cache_usage_ratio", sc.a, sc.b, engine_match(sc))
+    return None if v is None else Measurement(v, "kvpressure_engine_kv_cache_usage_ratio")
+
+
+def _preemptions(sig: Signals, sc: Scope, p: Params) -> Measurement | None:
+    name = "kvpressure_engine_preemptions_total"
+    v = sig.counter_increase(name, sc.a, sc.b, engine_match(sc))
+    return None if v is None else Measurement(v, name)
+
+
+def _prefix_cache_collapse(sig: Signals, sc: Scope, p: Params) -> Measurement | None:
+    m = engine_match(sc)
+    q_name = "kvpressure_engine_prefix_cache_queried_tokens_total"
+    h_name = "kvpressure_engine_prefix_cache_hit_tokens_total"
+    q_now = sig.counter_increase(q_name, sc.a, sc.b, m)
+    h_now = sig.counter_increase(h_name, sc.a, sc.b, m)
+    q_base = sig.counter_increase(q_name, sc.a - PREFIX_BASELINE_S, sc.a, m)
+    h_base = sig.counter_increase(h_name, sc.a - PREFIX_BASELINE_S, sc.a, m)
+    if None in (q_now, h_now, q_base, h_base):
+        return None
+    assert q_now is not None and h_now is not None and q_base is not None and h_base is not None
+    if q_now < PREFIX_MIN_TOKENS or q_base < PREFIX_MIN_TOKENS:
+        return None
+    base = h_base / q_base
+    if base < PREFIX_MIN_BASELINE_RATE:
+        return None
+    now = h_now / q_now
+    return Measurement(max(0.0, (base - now) / base), h_name)
+
+
+def _gpu_memory_headroom(sig: Signals, sc: Scope, p: Params) -> Measurement | None:
+    keep = gpu_filter(sig, sc)
+    worst: Measurement | None = None
+    for tot in sig.series("kvpressure_gpu_memory_total_bytes"):
+        if not keep(tot.labels) or not tot.vs or tot.vs[-1] <= 0:
+            continue
+        match = {k: v for k, v in tot.labels.items() if k in ("gpu", "uuid", "mig")}
+        used = sig.gauge_max("kvpressure_gpu_memory_used_bytes", sc.a, sc.b, match)
+        if used is None:
+            continue
+        free = max(0.0, 1.0 - used / tot.vs[-1])
+        if worst is None or free < worst.value:
+            worst = Measurement(free, "kvpressure_gpu_memory_used_bytes", {"gpu": match["gpu"]})
+    return worst
+
+
+def _psi(resource: str, kind: str) -> Measure:
+    def measure(sig: Signals, sc: Scope, p: Params) -> Measurement | None:
+        got = psi_rate(sig, sc, resource, kind)
+        return None if got is None else Measurement(got[0], PSI, got[1])
+
+    return measure
+
+
+def _host_rate(name: str) -> Measure:
+    def measure(sig: Signals, sc: Scope, p: Params) -> Measurement | None:
+        v = sig.counter_rate(name, sc.a, sc.b)
+        return None if v is None else Measurement(v, name)
+
+    return measure
+
+
+def _memory_available(sig: Signals, sc: Scope, p: Params) -> Measurement | None:
+    total = sig.gauge_min("kvpressure_host_memory_total_bytes", sc.a, sc.b)
+    avail = sig.gauge_min("kvpressure_host_memory_available_bytes", sc.a, sc.b)
+    if total is None or avail is None or total <= 0:
+        return None
+    return Measurement(avail / total, "kvpressure_host_memory_available_bytes")
+
+
+def _kv_exhausted(sig: Signals, sc: Scope, p: Params) -> Measurement | None:
+    if sc.record is None:
+        return None
+    return Measurement(1.0 if sc.record.outcome == "kv_exhausted" else 0.0, "record.outcome")
+
+
+# --- storage ------------------------------------------------------------------------------
+
+
+def _psi_excess(kind: str) -> Measure:
+    def measure(sig: Signals, sc: Scope, p: Params) -> Measurement | None:
+        io = psi_rate(sig, sc, "io", kind)
+        if io is None:
+            return None
+        mem = psi_rate(sig, sc, "memory", kind)
+        excess = io[0] - (mem[0] if mem is not None else 0.0)
+        return Measurement(max(0.0, excess), PSI, io[1])
+
+    return measure
+
+
+def _disk_rate_max(name: str) -> Measure:
+    def measure(sig: Signals, sc: Scope, p: Params) -> Measurement | None:
+        got = sig.counter_rate_max(name, sc.a, sc.b)
+        if got is None:
+            return None
+        return Measurement(got[0], name, {"device": got[1].get("device", "")})
+
+    return measure
+
+
+# --- network ------------------------------------------------------------------------------
+
+
+def _net_errors(sig: Signals, sc: Scope, p: Params) -> Measurement | None:
+    total: float | None = None
+    for name in (
+        "kvpressure_net_receive_errors_total",
+        "kvpressure_net_transmit_errors_total",
+        "kvpressure_net_receive_drops_total",
+        "kvpressure_net_transmit_drops_total",
+    ):
+        r = sig.counter_rate(name, sc.a, sc.b)
+        if r is not None:
+            total = r if total is None else total + r
+    return None if total is None else Measurement(total, "kvpressure_net_*_errors|drops_total")
+
+
+def _upstream_connect(sig: Signals, sc: Scope, p: Params) -> Measurement | None:
+    r = sc.record
+    if r is None or r.upstream_connect_s is None:
+        return None
+    return Measurement(r.upstream_connect_s, "record.upstream_connect_s")
+
+
+def _transport_gap(sig: Signals, sc: Scope, p: Params) -> Measurement | None:
+    r = sc.record
+    if r is None or r.ttft_s is None or r.prefill_s is None:
+        return None
+    queue = r.queue_s
+    if queue is None:
+        waiting = sig.gauge_max("kvpressure_engine_requests_waiting", sc.a, sc.b, engine_match(sc))
+        if waiting is None or waiting > 0:
+            return None  # the gap could be queueing: not evidence of the network
+        queue = 0.0
+    return Measurement(max(0.0, r.ttft_s - r.prefill_s - queue), "record.ttft_s-prefill_s-queue_s")
+
+
+# --- compute ------------------------------------------------------------------------------
+
+
+def _gpu_utilization(sig: Signals, sc: Scope, p: Params) -> Measurement | None:
+    keep = gpu_filter(sig, sc)
+    best: Measurement | None = None
+    for s in sig.series("kvpressure_gpu_utilization_ratio"):
+        if not keep(s.labels):
+            continue
+        vals = [v for _, v in s.between(sc.a, sc.b, hold=True)]
+        if vals:
+            mean = sum(vals) / len(vals)
+            if best is None or mean > best.value:
+                best = Measurement(
+                    mean, "kvpressure_gpu_utilization_ratio", {"gpu": s.labels.get("gpu", "")}
+                )
+    return best
+
+
+def _gpu_throttle(sig: Signals, sc: Scope, p: Params) -> Measurement | None:
+    keep = gpu_filter(sig, sc)
+    times: dict[float, bool] = {}
+    reasons: set[str] = set()
+    for s in sig.series("kvpressure_gpu_clock_event_active"):
+        reason = s.labels.get("reason", "")
+        if not keep(s.labels) or reason not in THROTTLE_REASONS:
+            continue
+        for t, v in s.between(sc.a, sc.b, hold=True):
+            active = v >= 1.0
+            times[t] = times.get(t, False) or active
+            if active:
+                reasons.add(reason)
+    if not times:
+        return None
+    share = sum(1 for a in times.values() if a) / len(times)
+    return Measurement(
+        share, "kvpressure_gpu_clock_event_active", {"reason": ",".join(sorted(reasons))}
+    )
+
+
+def _accelerator_stall(sig: Signals, sc: Scope, p: Params) -> Measurement | None:
+    keep = gpu_filter(sig, sc)
+    name = "kvpressure_accelerator_stall_seconds_total"
+    best: Measurement | None = None
+    rates: dict[str, float] = {}
+    for s in sig.series(name):
+        if not keep(s.labels) or s.labels.get("reason") not in ("throttled", "memory_bound"):
+            continue
+        r = s.rate(sc.a, sc.b)
+        if r is not None:
+            g = s.labels.get("gpu", "")
+            rates[g] = rates.get(g, 0.0) + r
+    for g, r in rates.items():
+        if best is None or r > best.value:
+            best = Measurement(r, name, {"gpu": g})
+    return best
+
+
+# --- events -------------------------------------------------------------------------------
+
+
+def last_restart(sig: Signals, engine: str, a: float, b: float) -> float | None:
+    """Time of the engine's last restart in ``(a, b]``; ``None`` when there was none.
+
+    A restart is a rise of ``kvpressure_engine_restarts_total`` (the engine sampler counts
+    counter resets and a new ``process_start_time_seconds``). ``kvpressure_engine_up`` going
+    from 0 back to 1 is not one: a metrics endpoint can fail while inference goes on (case
+    20).
+    """
+    times: list[float] = []
+    for s in sig.series("kvpressure_engine_restarts_total", {"engine": engine}):
+        times.extend(t for t, _ in s.increase_events(a, b))
+    return max(times) if times else None
+
+
+def _engine_restart(sig: Signals, sc: Scope, p: Params) -> Measurement | None:
+    if not sig.has("kvpressure_engine_restarts_total", engine_match(sc)):
+        return None
+    t = last_restart(sig, sc.engine, sc.start - p.cold_start_s, sc.b)
+    if t is None:
+        return Measurement(math.inf, "kvpressure_engine_restarts_total")
+    return Measurement(max(0.0, sc.start - t), "kvpressure_engine_restarts_total")
+
+
+def _gpu_fault(sig: Signals, sc: Scope, p: Params) -> Measurement | None:
+    keep = gpu_filter(sig, sc)
+    seen = False
+    for s in sig.series("kvpressure_gpu_xid_errors_total"):
+        if not keep(s.labels):
+            continue
+        seen = True
+        if s.increase_events(sc.a, sc.b):
+            labels = {"gpu": s.labels.get("gpu", ""), "xid": s.labels.get("xid", "")}
+            return Measurement(1.0, "kvpressure_gpu_xid_errors_total", labels)
+    for s in sig.series("kvpressure_gpu_up"):
+        if not keep(s.labels):
+            continue
+        seen = True
+        if any(v < 1 for _, v in s.between(sc.a, sc.b, hold=True)):
+            return Measurement(1.0, "kvpressure_gpu_up", {"gpu": s.labels.get("gpu", "")})
+    return Measurement(0.0, "kvpressure_gpu_xid_errors_total") if seen else None
+
+
+# --- the table ----------------------------------------------------------------------------
+
+RULES: tuple[RuleSpec, ...] = (
+    RuleSpec("queue_while_full", "memory", 1.0, 0.0, 0.5, "ratio",
+             "share of engine samples with requests waiting while slots or KV are full",
+             _queue_while_full),
+    RuleSpec("kv_cache_usage", "memory", 0.6, 0.90, 0.98, "ratio",
+             "max KV-cache usage ratio", _kv_cache_usage),
+    RuleSpec("preemptions", "memory", 1.0, 0.0, 2.0, "1",
+             "preemptions in the scope", _preemptions),
+    RuleSpec("prefix_cache_collapse", "memory", 0.6, 0.5, 0.9, "ratio",
+             "relative drop of the prefix-cache hit rate vs the 5 minutes before",
+             _prefix_cache_collapse),
+    RuleSpec("gpu_memory_headroom", "memory", 0.5, 0.05, 0.01, "ratio",
+             "min free/total memory of the engine's GPUs", _gpu_memory_headroom),
+    RuleSpec("psi_memory_some", "memory", 1.0, 0.05, 0.30, "s/s",
+             "memory PSI some stall rate", _psi("memory", "some")),
+    RuleSpec("psi_memory_full", "memory", 1.0, 0.02, 0.15, "s/s",
+             "memory PSI full stall rate", _psi("memory", "full")),
+    RuleSpec("swap_in", "memory", 0.9, 10.0, 1000.0, "pages/s",
+             "swap-in rate", _host_rate("kvpressure_host_swap_in_pages_total")),
+    RuleSpec("swap_out", "memory", 0.6, 10.0, 1000.0, "pages/s",
+             "swap-out rate", _host_rate("kvpressure_host_swap_out_pages_total")),
+    RuleSpec("allocstalls", "memory", 0.8, 1.0, 50.0, "1/s",
+             "direct-reclaim stall rate", _host_rate("kvpressure_host_allocstalls_total")),
+    RuleSpec("memory_available", "memory", 0.6, 0.10, 0.02, "ratio",
+             "min available/total host memory", _memory_available),
+    RuleSpec("kv_exhausted", "memory", 1.0, 0.0, 1.0, "1",
+             "the request failed because the KV pool filled", _kv_exhausted),
+    RuleSpec("major_faults", "memory", 0.7, 100.0, 2000.0, "1/s",
+             "major page fault rate (memory when thrashing, else storage)",
+             _host_rate("kvpressure_host_major_page_faults_total")),
+    RuleSpec("psi_io_some", "storage", 1.0, 0.10, 0.50, "s/s",
+             "io PSI some stall rate not explained by memory stalls", _psi_excess("some")),
+    RuleSpec("psi_io_full", "storage", 0.8, 0.05, 0.30, "s/s",
+             "io PSI full stall rate not explained by memory stalls", _psi_excess("full")),
+    RuleSpec("disk_busy", "storage", 0.6, 0.5, 0.95, "ratio",
+             "max per-disk utilisation", _disk_rate_max("kvpressure_disk_io_time_seconds_total")),
+    RuleSpec("disk_queue", "storage", 0.7, 2.0, 16.0, "requests",
+             "max per-disk average queue depth",
+             _disk_rate_max("kvpressure_disk_io_time_weighted_seconds_total")),
+    RuleSpec("disk_read", "storage", 0.5, 5e7, 5e8, "bytes/s",
+             "disk read rate, all disks", _host_rate("kvpressure_disk_read_bytes_total")),
+    RuleSpec("tcp_retransmits", "network", 0.9, 1.0, 20.0, "1/s",
+             "TCP retransmitted segments rate",
+             _host_rate("kvpressure_net_tcp_retransmitted_segments_total")),
+    RuleSpec("net_errors", "network", 0.6, 1.0, 50.0, "1/s",
+             "interface errors and drops rate", _net_errors),
+    RuleSpec("upstream_connect", "network", 1.0, 0.05, 0.5, "seconds",
+             "proxy connect time to the engine", _upstream_connect),
+    RuleSpec("transport_gap", "network", 0.8, 0.25, 1.0, "seconds",
+             "TTFT not spent queued or in prefill", _transport_gap),
+    RuleSpec("psi_cpu_some", "compute", 1.0, 0.25, 0.75, "s/s",
+             "CPU PSI some stall rate", _psi("cpu", "some")),
+    RuleSpec("gpu_utilization", "compute", 0.5, 0.95, 1.0, "ratio",
+             "mean utilisation of the engine's GPUs", _gpu_utilization),
+    RuleSpec("gpu_throttle", "compute", 0.8, 0.0, 0.5, "ratio",
+             "share of samples with a slowdown clock event", _gpu_throttle),
+    RuleSpec("accelerator_stall", "compute", 0.8, 0.1, 0.5, "s/s",
+             "throttled and memory-bound accelerator stall rate", _accelerator_stall),
+    RuleSpec("engine_restart", "engine_restart", 1.0, 60.0, 0.0, "seconds",
+             "seconds since the engine's last restart", _engine_restart),
+    RuleSpec("gpu_fault", "gpu_fault", 1.0, 0.0, 1.0, "1",
+             "XID error or lost GPU in the scope", _gpu_fault),
+)  # fmt: skip
+"""Every rule, in the order evidence is listed on ties."""
+
+RULES_BY_NAME: dict[str, RuleSpec] = {r.name: r for r in RULES}
+"""Rules by name (the keys ``attribution.thresholds`` accepts)."""
+
+ENGINE_RULES = frozenset(
+    {"queue_while_full", "kv_cache_usage", "preemptions", "prefix_cache_collapse"}
+)
+"""Rules that read the engine's own metrics: not assessed while those are unavailable."""
+
+HOST_MEMORY_SHORTAGE = frozenset(
+    {"psi_memory_some", "psi_memory_full", "swap_in", "swap_out", "allocstalls",
+     "memory_available"}
+)  # fmt: skip
+"""Rules whose firing makes major faults memory (thrashing) rather than storage."""
+
+RESIDUAL = frozenset({"transport_gap"})
+"""Rules that only count when no memory, storage or compute rule explains the delay."""
+
+METRICS_READ: tuple[str, ...] = (
+    "kvpressure_engine_up",
+    "kvpressure_engine_restarts_total",
+    "kvpressure_engine_requests_waiting",
+    "kvpressure_engine_slots",
+    "kvpressure_engine_kv_cache_usage_ratio",
+    "kvpressure_engine_preemptions_total",
+    "kvpressure_engine_prefix_cache_queried_tokens_total",
+    "kvpressure_engine_prefix_cache_hit_tokens_total",
+    "kvpressure_gpu_up",
+    "kvpressure_gpu_memory_total_bytes",
+    "kvpressure_gpu_memory_used_bytes",
+    "kvpressure_gpu_process_memory_bytes",
+    "kvpressure_gpu_utilization_ratio",
+    "kvpressure_gpu_clock_event_active",
+    "kvpressure_gpu_xid_errors_total",
+    "kvpressure_accelerator_stall_seconds_total",
+    "kvpressure_psi_stall_seconds_total",
+    "kvpressure_psi_avg10_ratio",
+    "kvpressure_host_memory_total_bytes",
+    "kvpressure_host_memory_available_bytes",
+    "kvpressure_host_major_page_faults_total",
+    "kvpressure_host_swap_in_pages_total",
+    "kvpressure_host_swap_out_pages_total",
+    "kvpressure_host_allocstalls_total",
+    "kvpressure_disk_io_time_seconds_total",
+    "kvpressure_disk_io_time_weighted_seconds_total",
+    "kvpressure_disk_read_bytes_total",
+    "kvpressure_net_tcp_retransmitted_segments_total",
+    "kvpressure_net_receive_errors_total",
+    "kvpressure_net_transmit_errors_total",
+    "kvpressure_net_receive_drops_total",
+    "kvpressure_net_transmit_drops_total",
+)
+"""Every metric the rules read (one timeline read each per attribution pass)."""
+
+LONG_LOOKBACK: dict[str, float] = {
+    "kvpressure_engine_prefix_cache_queried_tokens_total": PREFIX_BASELINE_S,
+    "kvpressure_engine_prefix_cache_hit_tokens_total": PREFIX_BASELINE_S,
+    "kvpressure_engine_restarts_total": 0.0,  # widened by cold_start_s at read time
+    "kvpressure_engine_up": 0.0,
+}
+"""Metrics read further back than the lead-in (seconds before the earliest scope)."""
+
+
+def evaluate(
+    sig: Signals, sc: Scope, params: Params
+) -> tuple[dict[str, float], list[Evidence], tuple[str, ...]]:
+    """Score every cause for ``sc``.
+
+    Returns:
+        ``(scores, evidence, unassessed)``: the score of every cause in
+        :data:`agent.attribution.model.ALL_CAUSES` (max of its rules' scores, 0 when none
+        fired), the evidence with a score > 0 strongest first, and what could not be
+        assessed (:data:`ENGINE_METRICS` when the engine's metrics were unavailable).
+    """
+    from agent.attribution.model import ALL_CAUSES
+
+    unassessed: list[str] = []
+    if engine_unavailable(sig, sc):
+        unassessed.append(ENGINE_METRICS)
+    found: list[Evidence] = []
+    for rule in RULES:
+        m = rule.measure(sig, sc, params)
+        if m is None:
+            continue
+        thr, sat = params.limits(rule)
+        score = round(rule.weight * ramp(m.value, thr, sat), 6)  # no float-noise evidence
+        if score <= 0.0:
+            continue
+        found.append(
+            Evidence(rule.cause, rule.name, m.metric, m.value, thr, sat, score, rule.unit, m.labels)
+        )
+    shortage = any(e.signal in HOST_MEMORY_SHORTAGE for e in found)
+    engine_stalled = any(
+        e.cause in ("memory", "storage", "compute") and e.score >= params.min_score for e in found
+    )
+    if engine_stalled:
+        found = [e for e in found if e.signal not in RESIDUAL]
+    evidence = [
+        Evidence("storage", e.signal, e.metric, e.value, e.threshold, e.saturation, e.score,
+                 e.unit, e.labels)
+        if e.signal == "major_faults" and not shortage
+        else e
+        for e in found
+    ]  # fmt: skip
+    scores = dict.fromkeys(ALL_CAUSES, 0.0)
+    for e in evidence:
+        scores[e.cause] = max(scores.get(e.cause, 0.0), e.score)
+    order = {r.name: i for i, r in enumerate(RULES)}
+    evidence.sort(key=lambda e: (-e.score, order.get(e.signal, 0)))
+    return scores, evidence, tuple(unassessed)

@@ -1,0 +1,265 @@
+"""The attribution sampler: judges finished requests, attributes the slow ones and each window.
+
+It runs as a derived sampler named ``attribution`` on the daemon's schedule. Each cycle:
+
+1. drains its consumer queue of the daemon's :class:`~agent.requests.record.RequestStream`
+   and holds back records that ended less than ``settle_s`` ago (the samplers have not yet
+   taken the sample that covers the request's end);
+2. judges every ready record (:class:`~agent.attribution.detector.SlowDetector`);
+3. reads the timeline once over the union of the scopes it needs
+   (:class:`~agent.attribution.signals.Signals`), attributes every slow request
+   (:class:`~agent.attribution.engine.Attributor`), keeps it in the
+   :class:`~agent.attribution.store.AttributionStore` and hands it to the span sink (the
+   OTLP exporter's ``kvpressure.attribution`` spans);
+4. attributes every window (default 10 s, aligned to multiples of the length) that ended at
+   least ``settle_s`` ago, for every engine that has requests or engine metrics;
+5. emits ``kvpressure_slow_requests_total{engine,cause}`` and
+   ``kvpressure_attribution_score{engine,cause}`` (the latest window's scores).
+
+Bounded: at most ``max_per_cycle`` records are judged per cycle (the rest wait in a pending
+queue of at most ``max_pending``; overflow is dropped oldest first and counted in
+``kvpressure_attribution_dropped_records_total``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from typing import Protocol
+
+from agent.attribution.detector import SlowDetector, Verdict
+from agent.attribution.engine import Attributor
+from agent.attribution.model import ALL_CAUSES, CAUSES, UNKNOWN, Attribution
+from agent.attribution.rules import LONG_LOOKBACK, METRICS_READ
+from agent.attribution.signals import Signals
+from agent.attribution.store import AttributionStore, RequestSummary
+from agent.requests.record import RequestRecord, RequestStream
+from agent.samplers.base import Sampler
+from agent.samples import Batch
+from agent.timeline import Timeline
+
+log = logging.getLogger(__name__)
+
+ENGINE_LATENCY = "kvpressure_engine_latency_seconds"
+"""Engine-reported windowed latency quantiles, used for windows without request records."""
+
+MAX_WINDOWS_PER_CYCLE = 6
+"""Windows attributed per engine per cycle at most; older due windows are skipped."""
+
+
+def _tail_quantile(labels: Mapping[str, str]) -> bool:
+    """True for a latency-quantile series at the 0.95 quantile or above."""
+    q = labels.get("quantile", labels.get("q"))
+    try:
+        return q is not None and float(q) >= 0.95
+    except ValueError:
+        return False
+
+
+class SpanSink(Protocol):
+    """Receives every slow-request attribution (the OTLP exporter implements it)."""
+
+    def emit(self, attribution: Attribution) -> None:
+        """Record one attribution; must not block or raise."""
+
+
+class AttributionSampler(Sampler):
+    """Derived sampler that attributes slow requests and windows (see the module docstring).
+
+    Args:
+        stream: the daemon's request stream; this sampler subscribes as ``consumer``.
+        timeline: the agent's timeline.
+        store: where attributions, request summaries and counts are kept.
+        detector: slow-request judge (owned by this sampler).
+        attributor: cause scoring.
+        interval_s: seconds between cycles.
+        settle_s: a record is processed once it ended at least this long ago (one sampling
+            interval or more, so the sample covering its end exists).
+        window_s: window length, seconds.
+        span_sink: receives each slow-request attribution, or ``None``.
+        clock: Unix time source (tests).
+        consumer: the stream consumer name.
+        max_per_cycle: records judged per cycle at most.
+        max_pending: records held back at most.
+    """
+
+    name = "attribution"
+
+    def __init__(
+        self,
+        stream: RequestStream,
+        timeline: Timeline,
+        store: AttributionStore,
+        detector: SlowDetector,
+        attributor: Attributor,
+        *,
+        interval_s: float = 1.0,
+        settle_s: float = 1.5,
+        window_s: float = 10.0,
+        span_sink: SpanSink | None = None,
+        clock: Callable[[], float] = time.time,
+        consumer: str = "attribution",
+        max_per_cycle: int = 5000,
+        max_pending: int = 50000,
+    ) -> None:
+        super().__init__(interval_s, timeout_s=max(5.0, 5 * interval_s))
+        self.stream = stream
+        self.timeline = timeline
+        self.store = store
+        self.detector = detector
+        self.attributor = attributor
+        self.settle_s = settle_s
+        self.window_s = window_s
+        self.span_sink = span_sink
+        self.clock = clock
+        self.consumer = consumer
+        self.max_per_cycle = max_per_cycle
+        self._pending: deque[RequestRecord] = deque()
+        self._max_pending = max_pending
+        self.dropped_records = 0
+        self._next_window: dict[str, float] = {}
+        self._window_acc: dict[tuple[str, float], tuple[list[float], int]] = {}
+        stream.subscribe(consumer)
+
+    # --- one cycle ---------------------------------------------------------------------
+
+    def collect(self, batch: Batch) -> None:
+        """Process ready records and due windows, then emit the attribution metrics."""
+        now = self.clock()
+        self._pending.extend(self.stream.drain(self.consumer))
+        while len(self._pending) > self._max_pending:
+            self._pending.popleft()
+            self.dropped_records += 1
+        cutoff = now - self.settle_s
+        ready: list[RequestRecord] = []
+        keep: deque[RequestRecord] = deque()
+        for r in self._pending:
+            if r.end <= cutoff and len(ready) < self.max_per_cycle:
+                ready.append(r)
+            else:
+                keep.append(r)
+        self._pending = keep
+        ready.sort(key=lambda r: r.end)
+
+        slow: list[tuple[RequestRecord, Verdict]] = []
+        for r in ready:
+            v = self.detector.judge(r)
+            is_slow = v is not None and v.slow
+            self.store.add_request(RequestSummary.of(r, is_slow))
+            if v is None:
+                continue
+            if is_slow:
+                slow.append((r, v))
+            self._accumulate(r, v)
+
+        windows = self._due_windows(now)
+        if slow or windows:
+            lo = min(
+                [r.start - self.attributor.lead_in_s for r, _ in slow]
+                + [start for _, start in windows]
+            )
+            cold = self.attributor.params.cold_start_s
+            extended = {k: lo - v - cold for k, v in LONG_LOOKBACK.items()}
+            # one sample interval of look-back so counters have a point before each scope
+            sig = Signals.from_timeline(
+                self.timeline,
+                (*METRICS_READ, ENGINE_LATENCY),
+                lo - max(self.interval_s, 1.0) * 2,
+                now,
+                extended,
+            )
+            for r, v in slow:
+                a = self.attributor.attribute_request(sig, r, v)
+                self.store.add_attribution(a)
+                if self.span_sink is not None:
+                    try:
+                        self.span_sink.emit(a)
+                    except Exception:
+                        log.exception("span sink failed")
+            for engine, start in windows:
+                self._attribute_window(sig, engine, start)
+        self._emit(batch)
+
+    def _accumulate(self, r: RequestRecord, v: Verdict) -> None:
+        start = r.end - (r.end % self.window_s)
+        nxt = self._next_window.get(r.engine)
+        if nxt is not None and start < nxt:
+            return  # that window was already attributed
+        lat, n_slow = self._window_acc.get((r.engine, start), ([], 0))
+        lat.append(v.latency_s)
+        self._window_acc[(r.engine, start)] = (lat, n_slow + (1 if v.slow else 0))
+
+    def _engines(self, now: float) -> set[str]:
+        engines = self.store.engines_with_requests()
+        for labels in self.timeline.window("kvpressure_engine_up", now - 60.0, now):
+            eng = dict(labels).get("engine")
+            if eng:
+                engines.add(eng)
+        return engines
+
+    def _due_windows(self, now: float) -> list[tuple[str, float]]:
+        """Windows ``(engine, start)`` that ended at least ``settle_s`` ago, oldest first."""
+        w = self.window_s
+        limit = now - self.settle_s
+        due: list[tuple[str, float]] = []
+        for engine in sorted(self._engines(now)):
+            nxt = self._next_window.get(engine)
+            if nxt is None:
+                # start with the window in progress: no back-fill of history
+                self._next_window[engine] = limit - (limit % w)
+                continue
+            starts: list[float] = []
+            while nxt + w <= limit:
+                starts.append(nxt)
+                nxt += w
+            self._next_window[engine] = nxt
+            for s in starts[:-MAX_WINDOWS_PER_CYCLE]:
+                self._window_acc.pop((engine, s), None)
+            due.extend((engine, s) for s in starts[-MAX_WINDOWS_PER_CYCLE:])
+        return due
+
+    def _attribute_window(self, sig: Signals, engine: str, start: float) -> None:
+        lat, n_slow = self._window_acc.pop((engine, start), ([], 0))
+        end = start + self.window_s
+        engine_p95: float | None = None
+        slo: float | None = None
+        if not lat:
+            vals: list[float] = []
+            for phase in ("ttft", "e2e"):
+                for s in sig.series(ENGINE_LATENCY, {"engine": engine, "phase": phase}):
+                    if _tail_quantile(s.labels):
+                        vals.extend(v for _, v in s.between(start, end))
+                if vals:
+                    engine_p95 = max(vals)
+                    slo = self.detector.slo[phase]
+                    break
+        w = self.attributor.attribute_window(
+            sig,
+            engine,
+            start,
+            end,
+            lat,
+            n_slow,
+            engine_p95_s=engine_p95,
+            slo_s=slo,
+        )
+        self.store.add_window(w)
+
+    def _emit(self, batch: Batch) -> None:
+        counts = self.store.slow_counts()
+        engines = {e for e, _ in counts} | self.store.engines_with_requests()
+        for engine in sorted(engines):
+            for cause in (*CAUSES, UNKNOWN):
+                counts.setdefault((engine, cause), 0)
+        for (engine, cause), n in sorted(counts.items()):
+            batch.add("kvpressure_slow_requests_total", n, engine=engine, cause=cause)
+        for engine, w in sorted(self.store.latest_windows().items()):
+            for cause in ALL_CAUSES:
+                batch.add(
+                    "kvpressure_attribution_score", w.scores.get(cause, 0.0), engine=engine,
+                    cause=cause,
+                )  # fmt: skip
+        batch.add("kvpressure_attribution_pending_records", len(self._pending))
+        batch.add("kvpressure_attribution_dropped_records_total", self.dropped_records)

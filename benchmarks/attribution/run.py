@@ -1,0 +1,560 @@
+"""Labeled fault-injection benchmark of the attribution engine, on a real llama.cpp server.
+
+Starts a real ``llama-server`` (Gemma-3-270M, ``-c 2048 -np 4 -t 2``, on a private copy of
+the model so page-cache faults hit only this server) and a real agent (``kvpressure run``)
+that scrapes it, samples the host and proxies every request (``proxies:``). A closed-loop
+streaming client sends requests through the proxy, scenario after scenario; each scenario
+injects one known fault. Afterwards the agent's ``/api/v1/attributions`` is read and every
+slow request the agent found is matched to the scenario it ran in (by time; scenarios are
+separated by recovery gaps), which gives the confusion matrix and per-scenario accuracy.
+
+Scenarios (requests each: ``--requests``, at least 30 for the real benchmark):
+
+* ``calm``: 2 concurrent short requests, no fault (after a warm-up that fills the baseline).
+* ``memory``: 8 concurrent requests for 4 slots, prompts filling the 512-token slot context,
+  and a memory cgroup limit below the engine's working set (its anonymous memory plus a
+  share of its mapped weights).
+* ``compute``: busy-looping processes, 2 per CPU, competing with the engine.
+* ``storage``: background ``dd conv=fsync`` writes while the model's pages are dropped from
+  the page cache every second (``drop_caches`` + ``process_madvise(MADV_PAGEOUT)``), so the
+  weights page back in from a busy disk.
+* ``network``: the client runs in a network namespace behind a veth pair shaped with
+  ``tc`` (``netem`` when available, else ``tbf``).
+
+Usage (root)::
+
+    .venv/bin/python benchmarks/attribution/run.py [--requests 30] [--scenarios calm,memory,...]
+        [--json OUT] [--check]
+
+``--check`` exits 1 unless every fault scenario attributes >= 90 % of its slow requests to
+the injected cause and calm flags <= 5 % of its requests, none as memory. A scenario whose
+fault cannot be injected here is reported as unavailable, with the reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests" / "e2e"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import e2e_support as es  # noqa: E402
+import faults  # noqa: E402
+from load import Result, run_load  # noqa: E402
+
+SCENARIOS = ("calm", "memory", "compute", "storage", "network")
+EXPECTED = {"memory": "memory", "compute": "compute", "storage": "storage", "network": "network"}
+CAUSE_COLUMNS = (
+    "memory",
+    "storage",
+    "network",
+    "compute",
+    "engine_restart",
+    "gpu_fault",
+    "unknown",
+)
+TARGET_ACCURACY = 0.90
+TARGET_CALM_SLOW = 0.05
+ENGINE = "llamacpp"
+
+
+@dataclass
+class Shape:
+    """The load of one scenario."""
+
+    concurrency: int
+    words: int
+    n_predict: int
+    pad_bytes: int = 0
+
+
+CALM = Shape(concurrency=2, words=40, n_predict=16)
+MEMORY = Shape(concurrency=8, words=300, n_predict=32)
+NETWORK = Shape(concurrency=2, words=40, n_predict=16, pad_bytes=6000)
+
+
+@dataclass
+class ScenarioResult:
+    """What one scenario produced."""
+
+    name: str
+    start: float = 0.0
+    end: float = 0.0
+    requests: int = 0
+    errors: int = 0
+    fault: str = ""
+    unavailable: str = ""
+    client_ttft_p50_s: float | None = None
+    client_ttft_p95_s: float | None = None
+    agent_phases: dict[str, Any] = field(default_factory=dict)
+    slow: int = 0
+    by_cause: dict[str, int] = field(default_factory=dict)
+    evidence: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def accuracy(self) -> float | None:
+        want = EXPECTED.get(self.name)
+        if want is None or self.slow == 0:
+            return None
+        return self.by_cause.get(want, 0) / self.slow
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def pct(values: list[float], q: float) -> float | None:
+    s = sorted(values)
+    if not s:
+        return None
+    k = (len(s) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+class Bench:
+    """Everything one benchmark run owns; :meth:`close` undoes all of it."""
+
+    def __init__(self, work: Path, assets: es.LlamaAssets, args: argparse.Namespace) -> None:
+        self.work = work
+        self.args = args
+        self.model = work / "model.gguf"
+        shutil.copyfile(assets.model, self.model)  # private: others' servers don't pin its pages
+        self.server_bin = assets.server
+        self.llama_port, self.agent_port, self.proxy_port = (es.free_port() for _ in range(3))
+        self.llama: subprocess.Popen[bytes] | None = None
+        self.agent: subprocess.Popen[bytes] | None = None
+        self.cgroup: faults.EngineCgroup | None = None
+        self.memcg: faults.MemoryCgroup | None = None
+        self.memcg_why = ""
+        self.netns_why = ""
+        self.netns: faults.NetworkPath | None = None
+        self.tag = f"kvb{os.getpid() % 100000}"
+
+    # --- processes ---------------------------------------------------------------------
+    def start_llama(self) -> None:
+        argv = [
+            str(self.server_bin),
+            "-m",
+            str(self.model),
+            "--metrics",
+            "-c",
+            "2048",
+            "-np",
+            "4",
+            "-t",
+            "2",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.llama_port),
+        ]
+        # The engine joins its cgroups before it maps the model, and the model copy is not
+        # in the page cache yet, so the weights are charged to the engine's memory cgroup.
+        joins: list[Path] = []
+        try:
+            self.cgroup = faults.EngineCgroup(self.tag)
+            self.cgroup.path.mkdir(exist_ok=True)
+            joins.append(self.cgroup.path / "cgroup.procs")
+        except (faults.Unavailable, OSError) as exc:
+            log(f"engine cgroup unavailable ({exc}); engine PSI falls back to scope=system")
+            self.cgroup = None
+        try:
+            self.memcg = faults.MemoryCgroup(f"{self.tag}-mem")
+            if self.memcg.procs_file not in joins:
+                joins.append(self.memcg.procs_file)
+        except faults.Unavailable as exc:
+            self.memcg_why = str(exc)
+            self.memcg = None
+        faults.evict_file(self.model)
+        logf = (self.work / "llama-server.log").open("ab")
+        self.llama = subprocess.Popen(
+            faults.join_argv(joins, argv),
+            stdout=logf,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        es.wait_http_ok(f"http://127.0.0.1:{self.llama_port}/health", 120, self.llama)
+
+    def start_agent(self) -> None:
+        engine: dict[str, Any] = {
+            "name": ENGINE,
+            "type": "llamacpp",
+            "url": f"http://127.0.0.1:{self.llama_port}",
+        }
+        if self.cgroup is not None:
+            engine["cgroup"] = self.cgroup.rel
+        cfg = {
+            "listen": f"127.0.0.1:{self.agent_port}",
+            "interval_s": 0.5,
+            "samplers": {"host": {"enabled": True}, "gpu": {"enabled": False}},
+            "discovery": {"enabled": False},
+            "engines": [engine],
+            "proxies": [
+                {
+                    "listen": f"{self.proxy_host}:{self.proxy_port}",
+                    "upstream": f"http://127.0.0.1:{self.llama_port}",
+                    "engine": ENGINE,
+                }
+            ],
+            "attribution": {"recent_attributions": 100000, "recent_requests": 100000},
+        }
+        path = self.work / "kvpressure.yaml"
+        path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+        err = (self.work / "agent.log").open("ab")
+        self.agent = subprocess.Popen(
+            es.agent_argv(path),
+            cwd=ROOT,
+            stdout=err,
+            stderr=err,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        es.wait_http_ok(f"{self.agent_url}/healthz", 30, self.agent)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            snap = httpx.get(f"{self.agent_url}/api/v1/snapshot", timeout=5).json()
+            if any(
+                s["name"] == "kvpressure_engine_up" and s["value"] == 1 for s in snap["samples"]
+            ):
+                return
+            time.sleep(0.5)
+        raise RuntimeError("the agent never saw the engine up")
+
+    @property
+    def agent_url(self) -> str:
+        return f"http://127.0.0.1:{self.agent_port}"
+
+    @property
+    def proxy_url(self) -> str:
+        return f"http://{self.proxy_host}:{self.proxy_port}"
+
+    @property
+    def proxy_host(self) -> str:
+        """The veth's host address when the network scenario runs (local traffic to it
+        stays on loopback, unshaped), else 127.0.0.1."""
+        return self.netns.host_ip if self.netns is not None else "127.0.0.1"
+
+    def setup_netns(self) -> None:
+        """Create the client namespace before the agent starts (its proxy listens there)."""
+        try:
+            self.netns = faults.NetworkPath(self.tag, subnet=os.getpid() % 250).__enter__()
+        except faults.Unavailable as exc:
+            self.netns_why = str(exc)
+
+    def close(self) -> None:
+        for p in (self.agent, self.llama):
+            if p is not None and p.poll() is None:
+                es.stop_process(p, signal.SIGTERM)
+        if self.cgroup is not None:
+            self.cgroup.close()
+        if self.memcg is not None:
+            self.memcg.close()
+        if self.netns is not None:
+            self.netns.__exit__()
+
+    # --- load --------------------------------------------------------------------------
+    def load(
+        self, n: int, shape: Shape, seed: int, netns: faults.NetworkPath | None = None
+    ) -> list[Result]:
+        if netns is None:
+            return asyncio.run(
+                run_load(
+                    self.proxy_url,
+                    n,
+                    shape.concurrency,
+                    shape.words,
+                    shape.n_predict,
+                    seed,
+                    pad_bytes=shape.pad_bytes,
+                )
+            )
+        argv = netns.exec_argv(
+            [
+                sys.executable,
+                str(Path(__file__).resolve().parent / "load.py"),
+                "--url",
+                f"http://{netns.host_ip}:{self.proxy_port}",
+                "--n",
+                str(n),
+                "--concurrency",
+                str(shape.concurrency),
+                "--words",
+                str(shape.words),
+                "--n-predict",
+                str(shape.n_predict),
+                "--seed",
+                str(seed),
+                "--pad-bytes",
+                str(shape.pad_bytes),
+            ]
+        )
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=1800, check=False)
+        if r.returncode != 0:
+            raise RuntimeError(f"client in namespace failed: {r.stderr[-2000:]}")
+        return [Result(**x) for x in json.loads(r.stdout)]
+
+    # --- scenarios ---------------------------------------------------------------------
+    def scenario(self, name: str, n: int, seed: int) -> ScenarioResult:
+        res = ScenarioResult(name)
+        assert self.llama is not None
+        pid = self.llama.pid
+        shape = CALM
+        ctx: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+        netns = None
+        try:
+            if name == "memory":
+                shape = MEMORY
+                if self.memcg is None:
+                    raise faults.Unavailable(f"memory cgroup: {self.memcg_why}")
+                memcg, squeeze = self.memcg, self.args.memory_squeeze_mb << 20
+
+                def limit() -> int:
+                    anon, file_ = _rss_parts(pid)
+                    charged = memcg.usage() or (anon + file_)
+                    # below the working set, but never below the anonymous memory: with no
+                    # swap that would only get the engine OOM-killed
+                    lim = max(charged - squeeze, anon + (48 << 20))
+                    res.fault += (
+                        f"; limit {lim >> 20} MiB set 3 s into the load (cgroup {memcg.mode}; "
+                        f"charged {charged >> 20} MiB: anon {anon >> 20} + mapped file "
+                        f"{file_ >> 20})"
+                    )
+                    return lim
+
+                ctx = faults.MemoryLimit(memcg, limit)
+                res.fault = (
+                    f"concurrency {shape.concurrency} > 4 slots, ~{shape.words} words per prompt"
+                )
+            elif name == "compute":
+                k = 2 * (os.cpu_count() or 1)
+                ctx = faults.CpuBurners(k)
+                res.fault = f"{k} busy-looping processes"
+            elif name == "storage":
+                ctx = faults.StoragePressure(
+                    pid, self.model.name, self.work, writers=self.args.writers, write_mb=512
+                )
+                res.fault = (
+                    f"{self.args.writers} dd conv=fsync writers; every 1 s drop_caches + "
+                    "MADV_PAGEOUT of the model mapping"
+                )
+            elif name == "network":
+                if self.netns is None:
+                    raise faults.Unavailable(self.netns_why or "no network namespace")
+                netns = self.netns
+                shape = NETWORK
+                res.fault = netns.impair(rate=self.args.net_rate) + (
+                    f"; {shape.pad_bytes} B request bodies"
+                )
+        except faults.Unavailable as exc:
+            res.unavailable = str(exc)
+            log(f"{name}: unavailable: {exc}")
+            return res
+        log(f"{name}: {res.fault or 'no fault'}; {n} requests")
+        res.start = time.time()
+        try:
+            with ctx:
+                results = self.load(n, shape, seed, netns)
+        finally:
+            if netns is not None:
+                netns.clear()
+        res.end = time.time()
+        with contextlib.suppress(httpx.HTTPError, KeyError, ValueError):
+            time.sleep(1.5)  # the proxy's records of this scenario settle
+            doc = httpx.get(
+                f"{self.agent_url}/api/v1/attributions",
+                timeout=10,
+                params={"since": f"{time.time() - res.start:.1f}", "limit": "0"},
+            ).json()
+            res.agent_phases = doc["requests"][ENGINE]["phases"]
+        res.requests = len(results)
+        res.errors = sum(1 for r in results if r.error or r.status != 200)
+        ttfts = [r.ttft_s for r in results if r.ttft_s is not None]
+        res.client_ttft_p50_s, res.client_ttft_p95_s = pct(ttfts, 0.5), pct(ttfts, 0.95)
+        if self.llama.poll() is not None:
+            raise RuntimeError(f"llama-server exited during {name} (rc {self.llama.returncode})")
+        log(
+            f"{name}: done in {res.end - res.start:.1f}s, client TTFT p50 "
+            f"{res.client_ttft_p50_s} p95 {res.client_ttft_p95_s}, errors {res.errors}"
+        )
+        return res
+
+
+def _rss_parts(pid: int) -> tuple[int, int]:
+    vals: dict[str, int] = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        k, _, v = line.partition(":")
+        if k in ("RssAnon", "RssFile", "RssShmem"):
+            vals[k] = int(v.split()[0]) * 1024
+    return vals.get("RssAnon", 0) + vals.get("RssShmem", 0), vals.get("RssFile", 0)
+
+
+def assign(results: list[ScenarioResult], attributions: list[dict[str, Any]]) -> None:
+    """Count each attribution in the scenario whose time range holds its request."""
+    for a in attributions:
+        for r in results:
+            if r.start and r.start - 0.5 <= a["start"] and a["end"] <= r.end + 0.5:
+                r.slow += 1
+                r.by_cause[a["cause"]] = r.by_cause.get(a["cause"], 0) + 1
+                for e in a["evidence"][:3]:
+                    key = f"{e['cause']}:{e['signal']}"
+                    r.evidence[key] = r.evidence.get(key, 0) + 1
+                break
+
+
+def report(results: list[ScenarioResult]) -> tuple[str, bool]:
+    """The confusion matrix and per-scenario accuracy as text; and whether targets are met."""
+    lines = [
+        "",
+        "CONFUSION MATRIX (rows: injected fault; columns: primary cause of the slow "
+        "requests the agent found)",
+        "",
+    ]
+    head = f"{'scenario':<9} {'reqs':>5} {'slow':>5} " + " ".join(
+        f"{c[:8]:>8}" for c in CAUSE_COLUMNS
+    )
+    lines += [head + f" {'accuracy':>10}  target", "-" * (len(head) + 20)]
+    ok = True
+    for r in results:
+        if r.unavailable:
+            lines.append(f"{r.name:<9} unavailable: {r.unavailable}")
+            ok = False
+            continue
+        cells = " ".join(f"{r.by_cause.get(c, 0):>8}" for c in CAUSE_COLUMNS)
+        if r.name == "calm":
+            frac = r.slow / r.requests if r.requests else 0.0
+            met = frac <= TARGET_CALM_SLOW and r.by_cause.get("memory", 0) == 0
+            acc = f"{100 * frac:.1f}% slow"
+            target = f"<= {TARGET_CALM_SLOW:.0%} slow, 0 memory: {'met' if met else 'MISSED'}"
+        else:
+            a = r.accuracy
+            met = a is not None and a >= TARGET_ACCURACY
+            acc = "-" if a is None else f"{100 * a:8.1f}%"
+            target = (
+                f">= {TARGET_ACCURACY:.0%} {EXPECTED[r.name]}: "
+                f"{'met' if met else 'MISSED' if a is not None else 'NO SLOW REQUESTS'}"
+            )
+        ok &= met
+        lines.append(f"{r.name:<9} {r.requests:>5} {r.slow:>5} {cells} {acc:>10}  {target}")
+    lines += [
+        "",
+        "TOP EVIDENCE PER SCENARIO (cause:signal, slow requests carrying it in their top 3)",
+    ]
+    for r in results:
+        top = sorted(r.evidence.items(), key=lambda kv: -kv[1])[:4]
+        lines.append(f"{r.name:<9} " + ", ".join(f"{k} {v}" for k, v in top))
+    lines += ["", "FAULTS"]
+    for r in results:
+        ttft = (
+            f"client TTFT p50 {r.client_ttft_p50_s:.3f}s p95 {r.client_ttft_p95_s:.3f}s"
+            if r.client_ttft_p50_s is not None
+            else ""
+        )
+        ph = r.agent_phases
+        agent = " ".join(f"{k} p50 {ph[k]['p50']:.3f}s" for k in ("ttft", "prefill") if k in ph)
+        lines.append(f"{r.name:<9} {r.fault or r.unavailable or 'none'}; {ttft}; agent {agent}")
+    return "\n".join(lines), ok
+
+
+def run(args: argparse.Namespace) -> tuple[list[ScenarioResult], dict[str, Any], str, bool]:
+    """Run the benchmark; returns (results, explain document, report text, targets met)."""
+    assets, why = es.find_llama_assets()
+    if assets is None:
+        raise SystemExit(f"llama.cpp assets unavailable: {why}")
+    work = Path(tempfile.mkdtemp(prefix="kvbench-", dir=args.workdir))
+    bench = Bench(work, assets, args)
+    results: list[ScenarioResult] = []
+    t_begin = time.time()
+    try:
+        bench.start_llama()
+        if "network" in args.scenarios:
+            bench.setup_netns()
+        bench.start_agent()
+        log(f"warm-up: {args.warmup} calm requests (baseline)")
+        bench.load(args.warmup, CALM, seed=1000)
+        for i, name in enumerate(args.scenarios):
+            time.sleep(args.gap_s)
+            results.append(bench.scenario(name, args.requests, seed=2000 + 100 * i))
+        time.sleep(3.0)  # the last records settle and get attributed
+        doc = httpx.get(
+            f"{bench.agent_url}/api/v1/attributions",
+            timeout=30,
+            params={"since": f"{time.time() - t_begin + 5:.0f}", "limit": "100000"},
+        ).json()
+    finally:
+        bench.close()
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    assign(results, doc["attributions"])
+    text, ok = report(results)
+    return results, doc, text, ok
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--requests", type=int, default=30, help="requests per scenario")
+    p.add_argument("--warmup", type=int, default=40, help="calm requests before the scenarios")
+    p.add_argument("--scenarios", default=",".join(SCENARIOS))
+    p.add_argument("--gap-s", type=float, default=8.0, help="recovery between scenarios")
+    p.add_argument(
+        "--memory-squeeze-mb",
+        type=int,
+        default=96,
+        help="how far below the engine's charged memory the memory limit goes",
+    )
+    p.add_argument("--writers", type=int, default=2, help="dd writers in the storage scenario")
+    p.add_argument("--net-rate", default="48kbit", help="tbf rate of the shaped link")
+    p.add_argument("--workdir", default="/var/tmp", help="on a real disk, not tmpfs")
+    p.add_argument("--json", help="write results and the explain document here")
+    p.add_argument("--keep", action="store_true", help="keep the work directory (logs)")
+    p.add_argument("--check", action="store_true", help="exit 1 when a target is missed")
+    args = p.parse_args(argv)
+    args.scenarios = [s for s in args.scenarios.split(",") if s]
+    unknown = set(args.scenarios) - set(SCENARIOS)
+    if unknown:
+        p.error(f"unknown scenarios: {sorted(unknown)}")
+    results, doc, text, ok = run(args)
+    print(text)
+    from agent.attribution.explain import render
+
+    print("\nkvpressure explain over the whole run:\n")
+    print(render(doc))
+    if args.json:
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "results": [asdict(r) | {"accuracy": r.accuracy} for r in results],
+                    "explain": doc,
+                    "targets_met": ok,
+                    "median_attributed_latency_s": statistics.median(
+                        [a["latency_s"] for a in doc["attributions"]] or [0.0]
+                    ),
+                },
+                indent=2,
+                default=str,
+            )
+        )
+    return 0 if ok or not args.check else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
