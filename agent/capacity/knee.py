@@ -14,6 +14,8 @@ import threading
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
+from agent.requests.histograms import histogram_quantile
+
 BANDS: tuple[tuple[str, float, float], ...] = (
     ("0-50", 0.0, 0.50),
     ("50-80", 0.50, 0.80),
@@ -140,25 +142,13 @@ class BandStats:
 def quantile(q: float, buckets: Iterable[tuple[float, float]]) -> float | None:
     """Return the ``q`` quantile from cumulative ``(upper bound, count)`` buckets.
 
-    Follows Prometheus' ``histogram_quantile``: linear within a bucket, the lowest bucket
-    starting at 0, and the highest finite bound when the quantile falls in ``+Inf``.
-    ``None`` without observations.
+    Sorts the pairs and applies :func:`agent.requests.histograms.histogram_quantile`
+    (Prometheus' rule: linear within a bucket, the lowest bucket starting at 0, the
+    highest finite bound when the quantile falls in ``+Inf``). ``None`` without
+    observations.
     """
     bs = sorted(buckets)
-    if not bs or bs[-1][1] <= 0:
-        return None
-    total = bs[-1][1]
-    rank = q * total
-    prev_le, prev_c = 0.0, 0.0
-    for le, c in bs:
-        if c >= rank:
-            if le == float("inf"):
-                return prev_le
-            if c == prev_c:
-                return le
-            return prev_le + (le - prev_le) * (rank - prev_c) / (c - prev_c)
-        prev_le, prev_c = le, c
-    return prev_le  # pragma: no cover - the last bucket always reaches total
+    return histogram_quantile(q, [le for le, _ in bs], [c for _, c in bs])
 
 
 def stats_from_samples(
