@@ -257,6 +257,36 @@ _ALL: tuple[Metric, ...] = (
         "host",
     ),
     _m(
+        "kvpressure_cgroup_memory_used_bytes",
+        "gauge",
+        "bytes",
+        "Memory charged to an engine's cgroup (v2 memory.current; scope=<engine>, for "
+        "engines configured with a cgroup).",
+        ("scope",),
+        "",
+        "host",
+    ),
+    _m(
+        "kvpressure_cgroup_memory_limit_bytes",
+        "gauge",
+        "bytes",
+        "An engine's cgroup memory limit: limit=max (memory.max, the hard limit) or "
+        "limit=high (memory.high, the reclaim threshold); absent when unlimited.",
+        ("scope", "limit"),
+        "",
+        "host",
+    ),
+    _m(
+        "kvpressure_cgroup_memory_events_total",
+        "counter",
+        "1",
+        "An engine's cgroup memory.events: high (reclaimed above memory.high), max (usage "
+        "hit memory.max), oom, oom_kill.",
+        ("scope", "event"),
+        "",
+        "host",
+    ),
+    _m(
         "kvpressure_disk_read_bytes_total",
         "counter",
         "bytes",

@@ -114,8 +114,8 @@ class EngineConfig(_Model):
         url: base URL of the engine's HTTP server, e.g. ``http://127.0.0.1:8000``.
         type: engine kind; ``auto`` detects it from the metric prefixes.
         name: the ``engine`` label value; defaults to the type (or ``engine`` for auto).
-        cgroup: cgroup v2 path (relative to /sys/fs/cgroup) whose PSI is reported with
-            ``scope=<name>``.
+        cgroup: cgroup v2 path (relative to /sys/fs/cgroup) whose PSI and memory (charge,
+            limits, limit events) are reported with ``scope=<name>``.
         unit: systemd unit whose cgroup is used instead of ``cgroup``.
     """
 

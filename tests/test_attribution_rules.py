@@ -74,6 +74,9 @@ def slots(s: Synth, busy: Callable[[float], float], waiting: Callable[[float], f
 
 
 PSI = "kvpressure_psi_stall_seconds_total"
+CG_USED = "kvpressure_cgroup_memory_used_bytes"
+CG_LIMIT = "kvpressure_cgroup_memory_limit_bytes"
+CG_EVENTS = "kvpressure_cgroup_memory_events_total"
 
 # (case id, rule, cause, build timeline, record, expected value, expected score)
 CASES: list[tuple[str, str, str, Callable[[], Synth], RequestRecord | None, float, float]] = [
@@ -126,11 +129,42 @@ CASES: list[tuple[str, str, str, Callable[[], Synth], RequestRecord | None, floa
      Synth, rec(outcome="kv_exhausted", e2e_s=4.0), 1.0, 1.0),
     ("major_faults_without_shortage_is_storage", "major_faults", "storage",
      lambda: Synth().counter("kvpressure_host_major_page_faults_total", 1050), None, 1050, 0.35),
-    ("major_faults_with_memory_psi_is_memory", "major_faults", "memory",
+    ("major_faults_with_swap_is_memory", "major_faults", "memory",
+     lambda: Synth().counter("kvpressure_host_major_page_faults_total", 1050)
+     .counter("kvpressure_host_swap_in_pages_total", 50), None, 1050, 0.35),
+    ("major_faults_with_cgroup_limit_hits_is_memory", "major_faults", "memory",
+     lambda: Synth().counter("kvpressure_host_major_page_faults_total", 1050)
+     .counter(CG_EVENTS, 5, scope=ENG, event="max"), None, 1050, 0.35),
+    ("major_faults_with_memory_psi_only_is_storage", "major_faults", "storage",
      lambda: Synth().counter("kvpressure_host_major_page_faults_total", 1050)
      .counter(PSI, 0.1, resource="memory", kind="some", scope="system"), None, 1050, 0.35),
-    ("psi_io_some_minus_memory", "psi_io_some", "storage",
+    ("psi_memory_without_shortage_beside_disk_is_storage", "psi_memory_some", "storage",
+     lambda: Synth().counter(PSI, 0.2, resource="memory", kind="some", scope=ENG)
+     .counter("kvpressure_disk_io_time_weighted_seconds_total", 9, device="vda"),
+     None, 0.2, 0.6),
+    ("psi_memory_with_shortage_beside_disk_is_memory", "psi_memory_full", "memory",
+     lambda: Synth().counter(PSI, 0.085, resource="memory", kind="full", scope=ENG)
+     .counter("kvpressure_disk_io_time_weighted_seconds_total", 9, device="vda")
+     .gauge("kvpressure_host_memory_total_bytes", 100)
+     .gauge("kvpressure_host_memory_available_bytes", 6), None, 0.085, 0.5),
+    ("cgroup_memory_headroom_6pct", "cgroup_memory_headroom", "memory",
+     lambda: Synth().gauge(CG_USED, 94, scope=ENG).gauge(CG_LIMIT, 100, scope=ENG, limit="max")
+     .gauge(CG_LIMIT, 200, scope=ENG, limit="high")
+     .gauge(CG_USED, 1, scope="other").gauge(CG_LIMIT, 100, scope="other", limit="max"),
+     None, 0.06, 0.3),
+    ("cgroup_memory_headroom_high_is_lower", "cgroup_memory_headroom", "memory",
+     lambda: Synth().gauge(CG_USED, 47, scope=ENG).gauge(CG_LIMIT, 100, scope=ENG, limit="max")
+     .gauge(CG_LIMIT, 50, scope=ENG, limit="high"), None, 0.06, 0.3),
+    ("cgroup_memory_limit_hits", "cgroup_memory_limit_hits", "memory",
+     lambda: Synth().counter(CG_EVENTS, 6, scope=ENG, event="max")
+     .counter(CG_EVENTS, 4.25, scope=ENG, event="high")
+     .counter(CG_EVENTS, 100, scope=ENG, event="oom"), None, 10.25, 0.4),
+    ("psi_io_some_net_of_memory_when_short", "psi_io_some", "storage",
      lambda: Synth().counter(PSI, 0.4, resource="io", kind="some", scope="system")
+     .counter(PSI, 0.1, resource="memory", kind="some", scope="system")
+     .counter("kvpressure_host_swap_out_pages_total", 50), None, 0.3, 0.5),
+    ("psi_io_some_whole_when_memory_not_short", "psi_io_some", "storage",
+     lambda: Synth().counter(PSI, 0.3, resource="io", kind="some", scope="system")
      .counter(PSI, 0.1, resource="memory", kind="some", scope="system"), None, 0.3, 0.5),
     ("psi_io_full", "psi_io_full", "storage",
      lambda: Synth().counter(PSI, 0.175, resource="io", kind="full", scope="system"),
@@ -220,7 +254,11 @@ def test_every_rule_has_a_case():
         (lambda: Synth().counter(PSI, 0.2, resource="cpu", kind="some", scope="system"),
          "psi_cpu_some"),
         (lambda: Synth().counter(PSI, 0.3, resource="io", kind="some", scope="system")
-         .counter(PSI, 0.3, resource="memory", kind="some", scope="system"), "psi_io_some"),
+         .counter(PSI, 0.3, resource="memory", kind="some", scope="system")
+         .counter("kvpressure_host_allocstalls_total", 5), "psi_io_some"),
+        (lambda: Synth().gauge(CG_USED, 80, scope=ENG).gauge(CG_LIMIT, 100, scope=ENG,
+                                                              limit="max"),
+         "cgroup_memory_headroom"),
         (lambda: Synth().counter("kvpressure_net_tcp_retransmitted_segments_total", 0.5),
          "tcp_retransmits"),
         (lambda: Synth().add("kvpressure_engine_restarts_total", lambda k: 0 if k < -70 else 1,
@@ -229,7 +267,8 @@ def test_every_rule_has_a_case():
          "gpu_fault"),  # old XIDs, no new ones
     ],
     ids=["slots_free", "no_queue", "kv_at_threshold", "psi_mem_at_threshold", "cpu_below",
-         "io_explained_by_memory", "few_retransmits", "old_restart", "old_xids"],
+         "io_explained_by_thrashing", "cgroup_headroom_20pct", "few_retransmits", "old_restart",
+         "old_xids"],
 )  # fmt: skip
 def test_rules_stay_quiet_at_or_below_threshold(build, rule):
     _, evidence, _ = run(build())
@@ -325,3 +364,60 @@ def test_gauge_holds_its_last_value_into_a_scope_without_samples():
     s = Series({}, (0.0, 10.0), (3.0, 4.0))
     assert s.between(4.0, 6.0, hold=True) == [(0.0, 3.0)]
     assert s.between(4.0, 6.0) == []
+
+
+def _weights_paged_back_from_a_busy_disk(available: float = 21e9) -> Synth:
+    """What the storage benchmark scenario looks like (recorded on this project's sandbox):
+    the engine's weights dropped from the page cache and read back under heavy writes; the
+    refaults raise the engine's memory PSI as much as its io PSI, with no memory shortage."""
+    return (
+        Synth()
+        .counter(PSI, 0.45, resource="memory", kind="some", scope=ENG)
+        .counter(PSI, 0.2, resource="memory", kind="full", scope=ENG)
+        .counter(PSI, 0.5, resource="io", kind="some", scope=ENG)
+        .counter(PSI, 0.22, resource="io", kind="full", scope=ENG)
+        .counter("kvpressure_disk_io_time_seconds_total", 0.78, device="vda")
+        .counter("kvpressure_disk_io_time_weighted_seconds_total", 30, device="vda")
+        .counter("kvpressure_disk_read_bytes_total", 2.2e8, device="vda")
+        .counter("kvpressure_host_major_page_faults_total", 3000)
+        .gauge("kvpressure_host_memory_total_bytes", 24e9)
+        .gauge("kvpressure_host_memory_available_bytes", available)
+    )
+
+
+def test_refaults_without_a_memory_shortage_are_storage():
+    scores, evidence, _ = run(_weights_paged_back_from_a_busy_disk())
+    assert primary_cause(scores, 0.3) == "storage"
+    assert scores["memory"] == 0.0
+    assert {e.cause for e in evidence} == {"storage"}
+    assert ev(evidence, "psi_memory_some").cause == "storage"
+    assert ev(evidence, "psi_io_some").value == pytest.approx(0.5)  # whole, not net of memory
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda: _weights_paged_back_from_a_busy_disk().counter(
+            "kvpressure_host_swap_in_pages_total", 400
+        ),
+        lambda: _weights_paged_back_from_a_busy_disk(available=0.5e9),
+        lambda: _weights_paged_back_from_a_busy_disk().counter(
+            CG_EVENTS, 25, scope=ENG, event="max"
+        ),
+        lambda: (
+            _weights_paged_back_from_a_busy_disk()
+            .gauge(CG_USED, 99, scope=ENG)
+            .gauge(CG_LIMIT, 100, scope=ENG, limit="max")
+        ),
+    ],
+    ids=["swap_in", "host_available_2pct", "cgroup_limit_hits", "cgroup_headroom_1pct"],
+)
+def test_the_same_stalls_under_a_memory_shortage_are_memory(build):
+    """Thrashing: the engine's pages are evicted because memory is short (swap, a host
+    without available memory, or its own cgroup at memory.max without swap) and refault
+    from the same busy disk."""
+    scores, evidence, _ = run(build())
+    assert primary_cause(scores, 0.3) == "memory", evidence
+    assert ev(evidence, "psi_memory_some").cause == "memory"
+    assert ev(evidence, "major_faults").cause == "memory"
+    assert ev(evidence, "psi_io_some") is None  # 0.5 - 0.45 s/s net of memory: below 0.10

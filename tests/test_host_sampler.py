@@ -677,6 +677,58 @@ def test_hybrid_host_finds_engine_cgroups_under_unified(tmp_path: Path) -> None:
     assert value(batch, "kvpressure_host_cgroup_memory_used_bytes") == 77
 
 
+CG_USED = "kvpressure_cgroup_memory_used_bytes"
+CG_LIMIT = "kvpressure_cgroup_memory_limit_bytes"
+CG_EVENTS = "kvpressure_cgroup_memory_events_total"
+
+
+def test_engine_cgroup_memory_charge_limits_and_events(tree: Tree) -> None:
+    d = "system.slice/vllm.service"
+    tree.cgroup_file(f"{d}/memory.current", "3221225472\n")
+    tree.cgroup_file(f"{d}/memory.max", "4294967296\n")
+    tree.cgroup_file(f"{d}/memory.high", "max\n")
+    tree.cgroup_file(
+        f"{d}/memory.events", "low 0\nhigh 12\nmax 7\noom 1\noom_kill 1\noom_group_kill 0\n"
+    )
+    tree.cgroup_file("system.slice/llama.service/memory.current", "1000\n")  # no limits
+    tree.cgroup_file("system.slice/llama.service/memory.max", "max\n")
+    batch = collect(
+        tree.sampler(engine_cgroups={"vllm": "vllm.service", "llamacpp": "llama.service"})
+    )
+    assert status(batch, "cgroup_memory") == ("ok", "")
+    assert value(batch, CG_USED, scope="vllm") == 3221225472
+    assert value(batch, CG_LIMIT, scope="vllm", limit="max") == 4294967296
+    assert value(batch, CG_LIMIT, scope="vllm", limit="high") is None  # "max": unlimited, absent
+    assert value(batch, CG_EVENTS, scope="vllm", event="max") == 7
+    assert value(batch, CG_EVENTS, scope="vllm", event="oom_kill") == 1
+    assert value(batch, CG_EVENTS, scope="vllm", event="low") is None  # not exported
+    assert value(batch, CG_USED, scope="llamacpp") == 1000
+    assert not [k for k in series(batch, CG_LIMIT) if ("scope", "llamacpp") in k]
+
+
+def test_engine_cgroup_memory_without_controller_or_cgroup_or_with_garbage(tree: Tree) -> None:
+    (tree.sys / "fs/cgroup/system.slice/a.service").mkdir(parents=True)  # no memory controller
+    batch = collect(tree.sampler(engine_cgroups={"a": "a.service"}))
+    assert status(batch, "cgroup_memory") == ("unsupported", "no_memory_controller")
+    assert not series(batch, CG_USED)
+
+    tree.cgroup_file("system.slice/b.service/memory.current", "lots\n")
+    tree.cgroup_file("system.slice/b.service/memory.max", "-\n")
+    tree.cgroup_file("system.slice/b.service/memory.events", "max many\nhigh 3\n")
+    batch = collect(
+        tree.sampler(engine_cgroups={"a": "a.service", "b": "b.service", "c": "c.service"})
+    )
+    got = status(batch, "cgroup_memory")  # an error outranks the unsupported part
+    assert got is not None and got[0] == "error", got
+    assert value(batch, CG_USED, scope="b") is None
+    assert value(batch, CG_EVENTS, scope="b", event="high") == 3  # the good line still counts
+    assert value(batch, CG_EVENTS, scope="b", event="max") is None
+    assert status(collect(tree.sampler(engine_cgroups={"b": "b.service"})), "cgroup_memory") == (
+        "error",
+        "parse_error",
+    )
+
+
 # --- diskstats (case 24) ----------------------------------------------------------------
 
 EXTRA_DISKSTATS = """\
@@ -957,7 +1009,7 @@ def test_empty_roots_never_raise(tmp_path: Path) -> None:
     )
     batch = collect(sampler)
     assert len(batch) == 0
-    assert {s.source for s in batch.sources} == {*SOURCES, "psi_cgroup"}
+    assert {s.source for s in batch.sources} == {*SOURCES, "psi_cgroup", "cgroup_memory"}
     assert status(batch, "psi") == ("unsupported", "kernel_without_psi")
     assert status(batch, "meminfo") == ("error", "not_found")
 
@@ -1000,8 +1052,10 @@ FILES = ("meminfo", "self/cgroup", "vmstat", "pressure/cpu", "diskstats", "net/d
 def test_arbitrary_file_contents_never_raise(tree: Tree, target: str, content: str) -> None:
     tree.proc_file(target, content)
     tree.cgroup_file("system.slice/memory.max", content[:40])
+    tree.cgroup_file("system.slice/memory.current", content[:20])
+    tree.cgroup_file("system.slice/memory.events", content)
     batch = collect(tree.sampler(engine_cgroups={"x": "system.slice"}))
-    assert {s.source for s in batch.sources} == {*SOURCES, "psi_cgroup"}
+    assert {s.source for s in batch.sources} == {*SOURCES, "psi_cgroup", "cgroup_memory"}
     assert all(s.name in catalogue.CATALOGUE for s in batch)
 
 

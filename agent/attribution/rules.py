@@ -31,22 +31,30 @@ preemptions                memory   1.0    [0, 2]        preemptions in the scop
 prefix_cache_collapse      memory   0.6    [0.5, 0.9]    relative drop of the prefix-cache hit
                                                          rate vs the 5 minutes before the scope
 gpu_memory_headroom        memory   0.5    [0.05, 0.01]  min free/total GPU memory (engine GPUs)
-psi_memory_some            memory   1.0    [0.05, 0.30]  memory PSI some stall rate (s/s)
-psi_memory_full            memory   1.0    [0.02, 0.15]  memory PSI full stall rate (s/s)
+psi_memory_some            memory   1.0    [0.05, 0.30]  memory PSI some stall rate (s/s); counted
+                           /storage                      as storage when no memory-shortage rule
+                                                         fired and a storage rule did (see below)
+psi_memory_full            memory   1.0    [0.02, 0.15]  memory PSI full stall rate (s/s); as above
 swap_in                    memory   0.9    [10, 1000]    swap-in pages/s
 swap_out                   memory   0.6    [10, 1000]    swap-out pages/s
 allocstalls                memory   0.8    [1, 50]       direct-reclaim stalls/s
 memory_available           memory   0.6    [0.10, 0.02]  min available/total host memory
+cgroup_memory_headroom     memory   0.6    [0.10, 0.02]  min (limit - charge)/limit of the
+                                                         engine's own cgroup (memory.max or
+                                                         memory.high, whichever is lower)
+cgroup_memory_limit_hits   memory   0.8    [0.5, 20]     rate of the engine cgroup's memory.events
+                                                         max + high (reclaim forced by its limit)
 kv_exhausted               memory   1.0    [0, 1]        1 when the request failed because the
                                                          engine's KV pool filled (record outcome)
 major_faults               memory   0.7    [100, 2000]   major page faults/s; counted as memory
                            /storage                      when another host memory rule fired
                                                          (thrashing), else as storage (weights or
                                                          KV read back from disk)
-psi_io_some                storage  1.0    [0.10, 0.50]  io PSI some stall rate minus the memory
-                                                         PSI some rate (I/O stalls that memory
-                                                         thrashing does not explain)
-psi_io_full                storage  0.8    [0.05, 0.30]  io PSI full rate minus memory full rate
+psi_io_some                storage  1.0    [0.10, 0.50]  io PSI some stall rate; minus the memory
+                                                         PSI some rate when memory is short (the
+                                                         I/O that thrashing does not explain)
+psi_io_full                storage  0.8    [0.05, 0.30]  io PSI full rate; minus memory full rate
+                                                         when memory is short
 disk_busy                  storage  0.6    [0.5, 0.95]   max per-disk utilisation (io_time rate)
 disk_queue                 storage  0.7    [2, 16]       max per-disk average queue depth
                                                          (weighted io_time rate)
@@ -78,6 +86,17 @@ engine_restart             engine_  1.0    [60, 0]       seconds from the engine
 gpu_fault                  gpu_     1.0    [0, 1]        XID errors or a lost GPU (gpu_up 0) in
                            fault                         the scope
 ========================== ======== ====== ============= =========================================
+
+**Stalls versus shortage.** Memory PSI counts every stall on a page that has to be brought
+back, including file pages refaulted from disk. Those stalls mean *memory* only when memory
+is short: a shortage rule (``swap_in``, ``swap_out``, ``allocstalls``, ``memory_available``,
+``cgroup_memory_headroom``, ``cgroup_memory_limit_hits``) fired. Without one, pages were
+evicted for another reason (weights dropped from the page cache, a KV tier on disk) and
+come back at the disk's pace, so when a storage rule fired too, memory PSI and major faults
+are *storage* evidence, and io PSI is read whole. With a shortage, io PSI is read net of
+memory PSI (the thrashing's own I/O is the memory's). A limit the agent cannot see (a
+cgroup v1 limit, an engine without a configured ``cgroup``) leaves thrashing without swap
+looking like storage; configure the engine's cgroup so its ``memory.max`` is read.
 """
 
 from __future__ import annotations
@@ -221,6 +240,9 @@ def ramp(value: float, threshold: float, saturation: float) -> float:
 ENGINE_UP = "kvpressure_engine_up"
 PSI = "kvpressure_psi_stall_seconds_total"
 PSI_AVG10 = "kvpressure_psi_avg10_ratio"
+CGROUP_USED = "kvpressure_cgroup_memory_used_bytes"
+CGROUP_LIMIT = "kvpressure_cgroup_memory_limit_bytes"
+CGROUP_EVENTS = "kvpressure_cgroup_memory_events_total"
 
 
 def engine_match(sc: Scope) -> dict[str, str]:
@@ -364,6 +386,31 @@ def _memory_available(sig: Signals, sc: Scope, p: Params) -> Measurement | None:
     return Measurement(avail / total, "kvpressure_host_memory_available_bytes")
 
 
+def _cgroup_memory_headroom(sig: Signals, sc: Scope, p: Params) -> Measurement | None:
+    scope = {"scope": sc.engine}
+    used = sig.gauge_by_time(CGROUP_USED, sc.a, sc.b, scope)
+    limits: dict[float, float] = {}
+    for s in sig.series(CGROUP_LIMIT, scope):
+        for t, v in s.between(sc.a, sc.b, hold=True):
+            limits[t] = min(v, limits.get(t, math.inf))
+    ratios = [(lim - used[t]) / lim for t, lim in limits.items() if t in used and lim > 0]
+    if not ratios:
+        return None
+    return Measurement(max(0.0, min(ratios)), CGROUP_USED, scope)
+
+
+def _cgroup_memory_limit_hits(sig: Signals, sc: Scope, p: Params) -> Measurement | None:
+    rates = [
+        r
+        for event in ("max", "high")
+        if (r := sig.counter_rate(CGROUP_EVENTS, sc.a, sc.b, {"scope": sc.engine, "event": event}))
+        is not None
+    ]
+    if not rates:
+        return None
+    return Measurement(sum(rates), CGROUP_EVENTS, {"scope": sc.engine})
+
+
 def _kv_exhausted(sig: Signals, sc: Scope, p: Params) -> Measurement | None:
     if sc.record is None:
         return None
@@ -371,18 +418,6 @@ def _kv_exhausted(sig: Signals, sc: Scope, p: Params) -> Measurement | None:
 
 
 # --- storage ------------------------------------------------------------------------------
-
-
-def _psi_excess(kind: str) -> Measure:
-    def measure(sig: Signals, sc: Scope, p: Params) -> Measurement | None:
-        io = psi_rate(sig, sc, "io", kind)
-        if io is None:
-            return None
-        mem = psi_rate(sig, sc, "memory", kind)
-        excess = io[0] - (mem[0] if mem is not None else 0.0)
-        return Measurement(max(0.0, excess), PSI, io[1])
-
-    return measure
 
 
 def _disk_rate_max(name: str) -> Measure:
@@ -562,15 +597,21 @@ RULES: tuple[RuleSpec, ...] = (
              "direct-reclaim stall rate", _host_rate("kvpressure_host_allocstalls_total")),
     RuleSpec("memory_available", "memory", 0.6, 0.10, 0.02, "ratio",
              "min available/total host memory", _memory_available),
+    RuleSpec("cgroup_memory_headroom", "memory", 0.6, 0.10, 0.02, "ratio",
+             "min headroom below the engine cgroup's memory limit", _cgroup_memory_headroom),
+    RuleSpec("cgroup_memory_limit_hits", "memory", 0.8, 0.5, 20.0, "1/s",
+             "rate the engine cgroup hit memory.max or memory.high", _cgroup_memory_limit_hits),
     RuleSpec("kv_exhausted", "memory", 1.0, 0.0, 1.0, "1",
              "the request failed because the KV pool filled", _kv_exhausted),
     RuleSpec("major_faults", "memory", 0.7, 100.0, 2000.0, "1/s",
              "major page fault rate (memory when thrashing, else storage)",
              _host_rate("kvpressure_host_major_page_faults_total")),
     RuleSpec("psi_io_some", "storage", 1.0, 0.10, 0.50, "s/s",
-             "io PSI some stall rate not explained by memory stalls", _psi_excess("some")),
+             "io PSI some stall rate (net of memory stalls when memory is short)",
+             _psi("io", "some")),
     RuleSpec("psi_io_full", "storage", 0.8, 0.05, 0.30, "s/s",
-             "io PSI full stall rate not explained by memory stalls", _psi_excess("full")),
+             "io PSI full stall rate (net of memory stalls when memory is short)",
+             _psi("io", "full")),
     RuleSpec("disk_busy", "storage", 0.6, 0.5, 0.95, "ratio",
              "max per-disk utilisation", _disk_rate_max("kvpressure_disk_io_time_seconds_total")),
     RuleSpec("disk_queue", "storage", 0.7, 2.0, 16.0, "requests",
@@ -610,11 +651,19 @@ ENGINE_RULES = frozenset(
 )
 """Rules that read the engine's own metrics: not assessed while those are unavailable."""
 
-HOST_MEMORY_SHORTAGE = frozenset(
-    {"psi_memory_some", "psi_memory_full", "swap_in", "swap_out", "allocstalls",
-     "memory_available"}
+MEMORY_SHORTAGE = frozenset(
+    {"swap_in", "swap_out", "allocstalls", "memory_available", "cgroup_memory_headroom",
+     "cgroup_memory_limit_hits"}
 )  # fmt: skip
-"""Rules whose firing makes major faults memory (thrashing) rather than storage."""
+"""Rules that show memory is short, not merely stalled: with one of them firing, memory PSI
+and major faults are memory (thrashing); without, they follow the storage evidence."""
+
+STALLS_OF_SHORTAGE = frozenset({"psi_memory_some", "psi_memory_full", "major_faults"})
+"""Memory-stall rules that are storage evidence when memory is not short and a storage rule
+fired (pages evicted for another reason, read back from disk)."""
+
+IO_NET_OF_MEMORY = {"psi_io_some": "psi_memory_some", "psi_io_full": "psi_memory_full"}
+"""io PSI rules and the memory PSI rule subtracted from them when memory is short."""
 
 RESIDUAL = frozenset({"transport_gap"})
 """Rules that only count when no memory, storage or compute rule explains the delay."""
@@ -644,6 +693,9 @@ METRICS_READ: tuple[str, ...] = (
     "kvpressure_host_swap_in_pages_total",
     "kvpressure_host_swap_out_pages_total",
     "kvpressure_host_allocstalls_total",
+    CGROUP_USED,
+    CGROUP_LIMIT,
+    CGROUP_EVENTS,
     "kvpressure_disk_io_time_seconds_total",
     "kvpressure_disk_io_time_weighted_seconds_total",
     "kvpressure_disk_read_bytes_total",
@@ -680,31 +732,41 @@ def evaluate(
     unassessed: list[str] = []
     if engine_unavailable(sig, sc):
         unassessed.append(ENGINE_METRICS)
+    measured = [(rule, rule.measure(sig, sc, params)) for rule in RULES]
+    values = {rule.name: m.value for rule, m in measured if m is not None}
+
+    def score(rule: RuleSpec, value: float) -> float:
+        thr, sat = params.limits(rule)
+        return round(rule.weight * ramp(value, thr, sat), 6)  # no float-noise evidence
+
+    shortage = any(
+        score(RULES_BY_NAME[name], values[name]) > 0.0 for name in MEMORY_SHORTAGE if name in values
+    )
     found: list[Evidence] = []
-    for rule in RULES:
-        m = rule.measure(sig, sc, params)
+    for rule, m in measured:
         if m is None:
             continue
-        thr, sat = params.limits(rule)
-        score = round(rule.weight * ramp(m.value, thr, sat), 6)  # no float-noise evidence
-        if score <= 0.0:
+        value = m.value
+        if shortage and rule.name in IO_NET_OF_MEMORY:
+            value = max(0.0, value - values.get(IO_NET_OF_MEMORY[rule.name], 0.0))
+        s = score(rule, value)
+        if s <= 0.0:
             continue
-        found.append(
-            Evidence(rule.cause, rule.name, m.metric, m.value, thr, sat, score, rule.unit, m.labels)
-        )
-    shortage = any(e.signal in HOST_MEMORY_SHORTAGE for e in found)
+        thr, sat = params.limits(rule)
+        found.append(Evidence(rule.cause, rule.name, m.metric, value, thr, sat, s, rule.unit,
+                              m.labels))  # fmt: skip
+    if not shortage and any(e.cause == "storage" or e.signal == "major_faults" for e in found):
+        found = [
+            Evidence("storage", e.signal, e.metric, e.value, e.threshold, e.saturation,
+                     e.score, e.unit, e.labels)
+            if e.signal in STALLS_OF_SHORTAGE
+            else e
+            for e in found
+        ]  # fmt: skip
     engine_stalled = any(
         e.cause in ("memory", "storage", "compute") and e.score >= params.min_score for e in found
     )
-    if engine_stalled:
-        found = [e for e in found if e.signal not in RESIDUAL]
-    evidence = [
-        Evidence("storage", e.signal, e.metric, e.value, e.threshold, e.saturation, e.score,
-                 e.unit, e.labels)
-        if e.signal == "major_faults" and not shortage
-        else e
-        for e in found
-    ]  # fmt: skip
+    evidence = [e for e in found if e.signal not in RESIDUAL] if engine_stalled else found
     scores = dict.fromkeys(ALL_CAUSES, 0.0)
     for e in evidence:
         scores[e.cause] = max(scores.get(e.cause, 0.0), e.score)

@@ -6,19 +6,21 @@ at any tree. Nothing here uses psutil: its functions do not take a root.
 
 Sources (the ``source`` label of ``kvpressure_source_up``) and the files they read:
 
-==============  ==========================================================================
-``meminfo``     ``<procfs>/meminfo``
-``cgroup``      ``<procfs>/self/cgroup``, then ``memory.max``/``memory.current`` (v2) or
-                ``memory.limit_in_bytes``/``memory.usage_in_bytes``/``memory.stat`` (v1)
-                of the agent's cgroup and its ancestors under ``<sysfs>/fs/cgroup``
-``vmstat``      ``<procfs>/vmstat``
-``psi``         ``<procfs>/pressure/{cpu,memory,io}``
-``psi_cgroup``  ``<engine cgroup dir>/{cpu,memory,io}.pressure`` (only when engines are set)
-``diskstats``   ``<procfs>/diskstats``, filtered with ``<sysfs>/block``
-``netdev``      ``<procfs>/net/dev``
-``snmp``        ``<procfs>/net/snmp``
-``numa``        ``<sysfs>/devices/system/node/node*/{meminfo,cpulist}``
-==============  ==========================================================================
+=================  ==========================================================================
+``meminfo``        ``<procfs>/meminfo``
+``cgroup``         ``<procfs>/self/cgroup``, then ``memory.max``/``memory.current`` (v2) or
+                   ``memory.limit_in_bytes``/``memory.usage_in_bytes``/``memory.stat`` (v1)
+                   of the agent's cgroup and its ancestors under ``<sysfs>/fs/cgroup``
+``vmstat``         ``<procfs>/vmstat``
+``psi``            ``<procfs>/pressure/{cpu,memory,io}``
+``psi_cgroup``     ``<engine cgroup dir>/{cpu,memory,io}.pressure`` (only when engines are set)
+``cgroup_memory``  ``<engine cgroup dir>/memory.{current,max,high,events}`` (cgroup v2; only
+                   when engines are set): how close each engine is to its own memory limit
+``diskstats``      ``<procfs>/diskstats``, filtered with ``<sysfs>/block``
+``netdev``         ``<procfs>/net/dev``
+``snmp``           ``<procfs>/net/snmp``
+``numa``           ``<sysfs>/devices/system/node/node*/{meminfo,cpulist}``
+=================  ==========================================================================
 
 Each source records exactly one status per cycle (``ok``, ``error`` or ``unsupported``;
 when a source has several parts, such as three PSI files or several engine cgroups, the
@@ -80,6 +82,9 @@ _ALLOCSTALL_KEYS = frozenset(
 _VMSTAT_KEYS = frozenset({"pgmajfault", "pswpin", "pswpout"}) | _ALLOCSTALL_KEYS
 _NODE_KEYS = frozenset({"MemTotal", "MemFree", "MemUsed"})
 _HIER = frozenset({"hierarchical_memory_limit"})
+CGROUP_MEMORY_EVENTS = ("high", "max", "oom", "oom_kill")
+"""``memory.events`` keys exported (cgroup v2): reclaim above ``memory.high``, usage hitting
+``memory.max``, OOM situations and OOM kills."""
 
 _UNIT_SUFFIXES = (".service", ".scope", ".slice")
 _NON_PHYSICAL_DISK = re.compile(r"(loop|ram|zram|dm-|md|sr|nbd)\d+")
@@ -582,6 +587,7 @@ class HostSampler(Sampler):
         self._run("psi", batch, self._collect_psi)
         if self.engine_cgroups:
             self._run("psi_cgroup", batch, self._collect_psi_cgroup)
+            self._run("cgroup_memory", batch, self._collect_engine_memory)
         self._run("diskstats", batch, self._collect_diskstats)
         self._run("netdev", batch, self._collect_netdev)
         self._run("snmp", batch, self._collect_snmp)
@@ -957,6 +963,73 @@ class HostSampler(Sampler):
                     continue
                 self._add_psi(batch, resource, text, scope=engine, status=status, where=f"{d}/")
         self._finish(batch, "psi_cgroup", status)
+
+    def _collect_engine_memory(self, batch: Batch) -> None:
+        """Each engine's cgroup v2 memory: charge, limits and limit events.
+
+        ``memory.current`` → ``kvpressure_cgroup_memory_used_bytes{scope}``; ``memory.max``
+        and ``memory.high`` → ``kvpressure_cgroup_memory_limit_bytes{scope,limit}`` (absent
+        when ``max``: unlimited); ``memory.events`` → ``kvpressure_cgroup_memory_events_total
+        {scope,event}`` for :data:`CGROUP_MEMORY_EVENTS`. A cgroup without these files (the
+        memory controller not enabled for it) is ``unsupported``; one not found is an error.
+        """
+        status = _Status()
+        for engine, spec in self.engine_cgroups.items():
+            d = self._engine_dir(engine, spec)
+            if d is None:
+                status.set("error", "cgroup_not_found", f"engine {engine}: cgroup {spec!r}")
+                continue
+            try:
+                current = _int(_read_text(os.path.join(d, "memory.current")).strip())
+            except FileNotFoundError:
+                status.set(
+                    "unsupported",
+                    "no_memory_controller",
+                    f"{d}/memory.current does not exist (memory controller not enabled there)",
+                )
+                continue
+            except OSError as exc:
+                status.set("error", _reason(exc), f"{d}/memory.current: {exc}")
+                continue
+            if current is None or current < 0:
+                status.set("error", "parse_error", f"{d}/memory.current")
+            else:
+                batch.add("kvpressure_cgroup_memory_used_bytes", current, scope=engine)
+            for limit in ("max", "high"):
+                path = os.path.join(d, f"memory.{limit}")
+                try:
+                    raw = _read_text(path).strip()
+                except FileNotFoundError:
+                    continue
+                except OSError as exc:
+                    status.set("error", _reason(exc), f"{path}: {exc}")
+                    continue
+                if raw == "max":
+                    continue
+                n = _int(raw)
+                if n is None:
+                    status.set("error", "parse_error", f"{path}: {raw[:40]!r}")
+                elif (value := _limit(n)) is not None:
+                    batch.add(
+                        "kvpressure_cgroup_memory_limit_bytes", value, scope=engine, limit=limit
+                    )
+            path = os.path.join(d, "memory.events")
+            try:
+                events = parse_kv(_read_text(path), CGROUP_MEMORY_EVENTS)
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                status.set("error", _reason(exc), f"{path}: {exc}")
+                continue
+            for event in CGROUP_MEMORY_EVENTS:
+                if event in events and events[event] >= 0:
+                    batch.add(
+                        "kvpressure_cgroup_memory_events_total",
+                        events[event],
+                        scope=engine,
+                        event=event,
+                    )
+        self._finish(batch, "cgroup_memory", status)
 
     # --- disks, network ----------------------------------------------------------------
 
