@@ -470,8 +470,11 @@ def report(results: list[ScenarioResult]) -> tuple[str, bool]:
             else ""
         )
         ph = r.agent_phases
-        agent = " ".join(f"{k} p50 {ph[k]['p50']:.3f}s" for k in ("ttft", "prefill") if k in ph)
-        lines.append(f"{r.name:<9} {r.fault or r.unavailable or 'none'}; {ttft}; agent {agent}")
+        agent = " ".join(
+            f"{k} p50 {ph[k]['p50']:.3f}s" for k in ("ttft", "queue", "prefill") if k in ph
+        )
+        parts = [r.fault or r.unavailable or "none", ttft, f"agent {agent}"]
+        lines.append(f"{r.name:<9} " + "; ".join(p for p in parts if p))
     return "\n".join(lines), ok
 
 
@@ -493,7 +496,8 @@ def run(args: argparse.Namespace) -> tuple[list[ScenarioResult], dict[str, Any],
         bench.load(args.warmup, CALM, seed=1000)
         for i, name in enumerate(args.scenarios):
             time.sleep(args.gap_s)
-            results.append(bench.scenario(name, args.requests, seed=2000 + 100 * i))
+            n = args.calm_requests if name == "calm" and args.calm_requests else args.requests
+            results.append(bench.scenario(name, n, seed=2000 + 100 * i))
         time.sleep(3.0)  # the last records settle and get attributed
         doc = httpx.get(
             f"{bench.agent_url}/api/v1/attributions",
@@ -512,6 +516,12 @@ def run(args: argparse.Namespace) -> tuple[list[ScenarioResult], dict[str, Any],
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--requests", type=int, default=30, help="requests per scenario")
+    p.add_argument(
+        "--calm-requests",
+        type=int,
+        help="requests of the calm scenario (default: --requests); calm requests are quick and "
+        "the calm target (<= 5 %% slow) allows one slow request only from 20 requests on",
+    )
     p.add_argument("--warmup", type=int, default=40, help="calm requests before the scenarios")
     p.add_argument("--scenarios", default=",".join(SCENARIOS))
     p.add_argument("--gap-s", type=float, default=8.0, help="recovery between scenarios")

@@ -1,0 +1,87 @@
+"""Reduced vLLM memory scenario of the attribution benchmark
+(``benchmarks/attribution/vllm_memory.py``): the same run and assertions as the full one,
+12 memory and 30 calm requests (about a minute on 2 cores).
+
+A real vLLM CPU server sends its ``llm_request`` spans over OTLP/HTTP to a real agent, which
+also scrapes its ``/metrics``; no proxy. After a calm warm-up, 30 calm requests must not be
+slow (at most 5 %, none attributed to memory) and at least 90 % of the slow requests of a
+KV-cache-starved load (12 x 512-token prompts asking for 1,200 tokens, 48 KV blocks) must be
+attributed to memory; the records must come from the spans (queue, prefill and decode times)
+and the load must really fill the KV cache and preempt. Skips like the other vLLM tests when
+the vLLM virtualenv or the model is missing (fails under ``KVPRESSURE_E2E_REQUIRED=1``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+import time
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+from vllm_support import REPO_ROOT, REPORT, find_assets, unavailable
+
+pytestmark = pytest.mark.e2e
+
+SCRIPT = REPO_ROOT / "benchmarks" / "attribution" / "vllm_memory.py"
+REQUESTS = 12
+CALM_REQUESTS = 30
+"""Calm requests are quick (about 2 s for 30); with fewer than 20 the calm target (at most
+5 % slow) would allow no slow request at all."""
+
+
+def _load() -> ModuleType:
+    name = "kvpressure_vllm_memory_bench"
+    spec = importlib.util.spec_from_file_location(name, SCRIPT)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_reduced_vllm_memory_attribution(tmp_path: Path) -> None:
+    assets, why = find_assets()
+    if assets is None:
+        unavailable(why)
+    bench = _load()
+    out = tmp_path / "vllm-memory.json"
+    t0 = time.monotonic()
+    rc = bench.main(
+        [
+            "--requests",
+            str(REQUESTS),
+            "--calm-requests",
+            str(CALM_REQUESTS),
+            "--json",
+            str(out),
+            "--workdir",
+            str(tmp_path),
+            "--check",
+        ]
+    )
+    doc = json.loads(out.read_text())
+    results = {r["name"]: r for r in doc["results"]}
+    calm, memory = results["calm"], results["memory"]
+    REPORT["attribution_memory"] = {
+        "wall_s": round(time.monotonic() - t0, 1),
+        "calm": {"requests": calm["requests"], "slow": calm["slow"], "by_cause": calm["by_cause"]},
+        "memory": {
+            "requests": memory["requests"],
+            "slow": memory["slow"],
+            "by_cause": memory["by_cause"],
+            "preemptions": memory["preemptions"],
+            "queue_p95_s": memory["agent_phases"].get("queue", {}).get("p95"),
+        },
+        "problems": doc["problems"],
+    }
+
+    assert calm["requests"] == CALM_REQUESTS and memory["requests"] == REQUESTS
+    assert calm["slow"] <= bench.TARGET_CALM_SLOW * calm["requests"] + 1e-9, calm
+    assert calm["by_cause"].get("memory", 0) == 0, calm
+    assert memory["slow"] > 0, f"the KV-starved load made no request slow: {memory}"
+    assert memory["accuracy"] >= bench.TARGET_ACCURACY, memory
+    assert doc["problems"] == [], doc["problems"]
+    assert rc == 0
