@@ -19,7 +19,9 @@ import json
 import random
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import httpx
 
@@ -78,7 +80,7 @@ def prompt(words: int, rng: random.Random) -> str:
     return "Summarize: " + " ".join(rng.choice(WORDS) for _ in range(words))
 
 
-async def _one(client: httpx.AsyncClient, url: str, body: dict[str, object]) -> Result:
+async def _one(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> Result:
     start = time.time()
     t0 = time.monotonic()
     first: float | None = None
@@ -113,7 +115,7 @@ async def run_load(
     attachments); the network scenario uses it so the shaped link delays the upload.
     """
     rng = random.Random(seed)
-    bodies = [
+    bodies: list[dict[str, Any]] = [
         {
             "prompt": prompt(words, rng),
             "n_predict": n_predict,
@@ -126,7 +128,20 @@ async def run_load(
         }
         for i in range(n)
     ]
-    queue: asyncio.Queue[dict[str, object]] = asyncio.Queue()
+    return await closed_loop(url, bodies, concurrency, _one, timeout_s)
+
+
+async def closed_loop(
+    url: str,
+    bodies: list[dict[str, Any]],
+    concurrency: int,
+    one: Callable[[httpx.AsyncClient, str, dict[str, Any]], Awaitable[Result]],
+    timeout_s: float = 300.0,
+) -> list[Result]:
+    """Send every body with ``concurrency`` closed-loop workers (each sends its next request
+    when its previous one finished) through ``one(client, url, body)``; return the results
+    in completion order."""
+    queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
     for b in bodies:
         queue.put_nowait(b)
     out: list[Result] = []
@@ -139,7 +154,7 @@ async def run_load(
                     body = queue.get_nowait()
                 except asyncio.QueueEmpty:
                     return
-                out.append(await _one(client, url, body))
+                out.append(await one(client, url, body))
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
     return out

@@ -543,27 +543,36 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         p.error(f"unknown scenarios: {sorted(unknown)}")
     results, doc, text, ok = run(args)
+    emit(text, results, doc, ok, args.json)
+    return 0 if ok or not args.check else 1
+
+
+def emit(
+    text: str,
+    results: list[ScenarioResult],
+    doc: dict[str, Any],
+    ok: bool,
+    json_path: str | None,
+    **extra: Any,
+) -> None:
+    """Print the report and ``kvpressure explain`` over the run; write ``json_path`` (the
+    results, the explain document, whether the targets were met, and ``extra``)."""
     print(text)
     from agent.attribution.explain import render
 
     print("\nkvpressure explain over the whole run:\n")
     print(render(doc))
-    if args.json:
-        Path(args.json).write_text(
-            json.dumps(
-                {
-                    "results": [asdict(r) | {"accuracy": r.accuracy} for r in results],
-                    "explain": doc,
-                    "targets_met": ok,
-                    "median_attributed_latency_s": statistics.median(
-                        [a["latency_s"] for a in doc["attributions"]] or [0.0]
-                    ),
-                },
-                indent=2,
-                default=str,
-            )
-        )
-    return 0 if ok or not args.check else 1
+    if json_path:
+        out = {
+            "results": [asdict(r) | {"accuracy": r.accuracy} for r in results],
+            "explain": doc,
+            "targets_met": ok,
+            **extra,
+            "median_attributed_latency_s": statistics.median(
+                [a["latency_s"] for a in doc["attributions"]] or [0.0]
+            ),
+        }
+        Path(json_path).write_text(json.dumps(out, indent=2, default=str))
 
 
 if __name__ == "__main__":

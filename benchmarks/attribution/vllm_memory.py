@@ -72,17 +72,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib.util
-import json
-import os
 import random
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -96,7 +93,7 @@ sys.path.insert(0, str(ROOT / "tests" / "vllm"))
 sys.path.insert(0, str(HERE))
 
 import vllm_support as vs  # noqa: E402
-from load import Result  # noqa: E402
+from load import Result, closed_loop  # noqa: E402
 
 
 def _llama_bench() -> ModuleType:
@@ -185,32 +182,17 @@ async def run_load(url: str, n: int, shape: Shape, seed: int) -> list[Result]:
     ``shape.max_tokens`` tokens.
     """
     rng = random.Random(seed)
-    queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
-    for _ in range(n):
-        queue.put_nowait(
-            {
-                "model": vs.SERVED_MODEL,
-                "prompt": [rng.randrange(10, 8000) for _ in range(shape.prompt_tokens)],
-                "max_tokens": shape.max_tokens,
-                "ignore_eos": True,
-                "temperature": 0.0,
-            }
-        )
-    out: list[Result] = []
-    c = shape.concurrency
-    limits = httpx.Limits(max_connections=c, max_keepalive_connections=c)
-    async with httpx.AsyncClient(timeout=600.0, limits=limits, trust_env=False) as client:
-
-        async def worker() -> None:
-            while True:
-                try:
-                    body = queue.get_nowait()
-                except asyncio.QueueEmpty:
-                    return
-                out.append(await _one(client, url, body))
-
-        await asyncio.gather(*(worker() for _ in range(c)))
-    return out
+    bodies: list[dict[str, Any]] = [
+        {
+            "model": vs.SERVED_MODEL,
+            "prompt": [rng.randrange(10, 8000) for _ in range(shape.prompt_tokens)],
+            "max_tokens": shape.max_tokens,
+            "ignore_eos": True,
+            "temperature": 0.0,
+        }
+        for _ in range(n)
+    ]
+    return await closed_loop(url, bodies, shape.concurrency, _one, timeout_s=600.0)
 
 
 # --- the run ----------------------------------------------------------------------------
@@ -237,37 +219,14 @@ class Bench:
         return f"http://127.0.0.1:{self.agent_port}"
 
     def start_vllm(self) -> float:
-        argv = [
-            str(self.assets.python),
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            str(self.assets.model),
-            "--served-model-name",
-            vs.SERVED_MODEL,
-            "--max-model-len",
-            "2048",
-            "--enforce-eager",
-            "--kv-cache-memory-bytes",
-            "12M",
-            "--kv-cache-metrics",
-            "--otlp-traces-endpoint",
-            f"{self.agent_url}/v1/traces",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.vllm_port),
-        ]
-        env = {
-            **os.environ,
-            "HF_HUB_OFFLINE": "1",
-            "TRANSFORMERS_OFFLINE": "1",
-            "VLLM_NO_USAGE_STATS": "1",
-            "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf",
-            "OTEL_BSP_SCHEDULE_DELAY": "500",
-            "OTEL_SERVICE_NAME": SERVICE,
-        }
-        env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+        argv = vs.server_argv(
+            self.assets, self.vllm_port, "--otlp-traces-endpoint", f"{self.agent_url}/v1/traces"
+        )
+        env = vs.server_env(
+            OTEL_EXPORTER_OTLP_TRACES_PROTOCOL="http/protobuf",
+            OTEL_BSP_SCHEDULE_DELAY="500",
+            OTEL_SERVICE_NAME=SERVICE,
+        )
         logf = self.work / "vllm.log"
         with logf.open("wb") as out:
             self.vllm = subprocess.Popen(
@@ -609,27 +568,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         p.error(f"unknown scenarios: {sorted(unknown)}")
     results, doc, text, ok, problems = run(args)
-    print(text)
-    from agent.attribution.explain import render
-
-    print("\nkvpressure explain over the whole run:\n")
-    print(render(doc))
-    if args.json:
-        Path(args.json).write_text(
-            json.dumps(
-                {
-                    "results": [asdict(r) | {"accuracy": r.accuracy} for r in results],
-                    "explain": doc,
-                    "targets_met": ok,
-                    "problems": problems,
-                    "median_attributed_latency_s": statistics.median(
-                        [a["latency_s"] for a in doc["attributions"]] or [0.0]
-                    ),
-                },
-                indent=2,
-                default=str,
-            )
-        )
+    bench.emit(text, results, doc, ok, args.json, problems=problems)
     return 0 if ok or not args.check else 1
 
 

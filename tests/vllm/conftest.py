@@ -21,13 +21,14 @@ from vllm_support import (
     AGENT_INTERVAL_S,
     REPO_ROOT,
     REPORT,
-    SERVED_MODEL,
     SERVER_READY_S,
     Agent,
     Poller,
     VllmServer,
     find_assets,
     free_port,
+    server_argv,
+    server_env,
     stop_group,
     unavailable,
     wait_ok,
@@ -42,33 +43,9 @@ def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer
     assert assets is not None
     d = tmp_path_factory.mktemp("vllm")
     port = free_port()
-    argv = [
-        str(assets.python),
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(assets.model),
-        "--served-model-name",
-        SERVED_MODEL,
-        "--max-model-len",
-        "2048",
-        "--enforce-eager",
-        "--kv-cache-memory-bytes",
-        "12M",
-        "--kv-cache-metrics",
-        "--port",
-        str(port),
-        "--host",
-        "127.0.0.1",
-    ]
+    argv = server_argv(assets, port)
     log = d / "vllm.log"
-    env = {
-        **os.environ,
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "VLLM_NO_USAGE_STATS": "1",
-    }
-    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    env = server_env()
     with log.open("wb") as out:
         proc = subprocess.Popen(
             argv, stdout=out, stderr=subprocess.STDOUT, cwd=d, env=env, start_new_session=True

