@@ -39,7 +39,7 @@ def snapshot(state: AgentState) -> dict[str, Any]:
                 "age_s": max(0.0, now - r.ts),
                 "sources": [
                     {"source": s.source, "state": s.state, "reason": s.reason}
-                    for s in (r.batch.sources if r.batch else [])
+                    for s in (r.batch.sources if r.batch is not None else [])
                 ],
             }
         )

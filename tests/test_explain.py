@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from agent.attribution.explain import fmt_seconds, parse_since, render
+from agent.attribution.explain import _fmt_value, fmt_seconds, parse_since, render
 from agent.attribution.model import Attribution, Evidence, WindowAttribution
 from agent.attribution.store import AttributionStore, RequestSummary
 from agent.cli import main
@@ -78,6 +78,21 @@ def test_parse_since(text, seconds):
 def test_parse_since_rejects(bad):
     with pytest.raises(ValueError):
         parse_since(bad)
+
+
+@pytest.mark.parametrize(
+    ("value", "unit", "text"),
+    [
+        (16.0, "1", "16"),  # a count reads as a count, not "16.00 1"
+        (2.5, "1", "2.50"),
+        (0.78, "s/s", "0.78 s/s"),
+        (3514.0, "pages/s", "3514 pages/s"),
+        (0.65, "ratio", "65%"),
+        (2.2e8, "bytes/s", "220.0 MB/s"),
+    ],
+)
+def test_evidence_values_read_with_their_units(value, unit, text):
+    assert _fmt_value(value, unit) == text
 
 
 def test_fmt_seconds():

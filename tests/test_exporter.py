@@ -95,3 +95,16 @@ def test_every_catalogue_metric_passes_promtool_lint():
         ["promtool", "check", "metrics"], input=text, capture_output=True, check=False
     )
     assert r.returncode == 0, r.stdout.decode() + r.stderr.decode()
+
+
+def test_snapshot_keeps_source_statuses_of_a_batch_without_samples():
+    """A disabled sampler (no NVML: no samples, one unsupported source) must still show its
+    source status in the snapshot `kvpressure status` reads, as it does on /metrics."""
+    from agent.api import snapshot
+
+    b = Batch()
+    b.source_unsupported("nvml", "library_not_found")
+    (sampler,) = snapshot(_state_with(b))["samplers"]
+    assert sampler["sources"] == [
+        {"source": "nvml", "state": "unsupported", "reason": "library_not_found"}
+    ]

@@ -55,9 +55,12 @@ def _fmt_value(v: float, unit: str) -> str:
         return f"{v * 100:.0f}%"
     if unit == "bytes/s":
         return f"{v / 1e6:.1f} MB/s"
+    suffix = "" if unit == "1" else f" {unit}"  # a count: "16", not "16.00 1"
+    if unit == "1" and float(v).is_integer():
+        return f"{v:.0f}"
     if abs(v) >= 100:
-        return f"{v:.0f} {unit}"
-    return f"{v:.2f} {unit}"
+        return f"{v:.0f}{suffix}"
+    return f"{v:.2f}{suffix}"
 
 
 def _duration(s: float) -> str:
