@@ -732,24 +732,21 @@ def evaluate(
     unassessed: list[str] = []
     if engine_unavailable(sig, sc):
         unassessed.append(ENGINE_METRICS)
-    measured = [(rule, rule.measure(sig, sc, params)) for rule in RULES]
-    values = {rule.name: m.value for rule, m in measured if m is not None}
+    measured = [(rule, m) for rule in RULES if (m := rule.measure(sig, sc, params)) is not None]
+    values = {rule.name: m.value for rule, m in measured}
 
     def score(rule: RuleSpec, value: float) -> float:
         thr, sat = params.limits(rule)
         return round(rule.weight * ramp(value, thr, sat), 6)  # no float-noise evidence
 
-    shortage = any(
-        score(RULES_BY_NAME[name], values[name]) > 0.0 for name in MEMORY_SHORTAGE if name in values
-    )
+    scored = {rule.name: score(rule, m.value) for rule, m in measured}
+    shortage = any(scored.get(name, 0.0) > 0.0 for name in MEMORY_SHORTAGE)
     found: list[Evidence] = []
     for rule, m in measured:
-        if m is None:
-            continue
-        value = m.value
+        value, s = m.value, scored[rule.name]
         if shortage and rule.name in IO_NET_OF_MEMORY:
             value = max(0.0, value - values.get(IO_NET_OF_MEMORY[rule.name], 0.0))
-        s = score(rule, value)
+            s = score(rule, value)
         if s <= 0.0:
             continue
         thr, sat = params.limits(rule)
