@@ -496,8 +496,7 @@ def run(args: argparse.Namespace) -> tuple[list[ScenarioResult], dict[str, Any],
         bench.load(args.warmup, CALM, seed=1000)
         for i, name in enumerate(args.scenarios):
             time.sleep(args.gap_s)
-            n = args.calm_requests if name == "calm" and args.calm_requests else args.requests
-            results.append(bench.scenario(name, n, seed=2000 + 100 * i))
+            results.append(bench.scenario(name, requests_of(args, name), seed=2000 + 100 * i))
         time.sleep(3.0)  # the last records settle and get attributed
         doc = httpx.get(
             f"{bench.agent_url}/api/v1/attributions",
@@ -513,8 +512,10 @@ def run(args: argparse.Namespace) -> tuple[list[ScenarioResult], dict[str, Any],
     return results, doc, text, ok
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parser(doc: str, *, warmup: int, gap_s: float) -> argparse.ArgumentParser:
+    """The options every attribution benchmark takes (requests per scenario, warm-up,
+    scenarios, gap, outputs, --check); each script adds its own."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n", maxsplit=1)[0])
     p.add_argument("--requests", type=int, default=30, help="requests per scenario")
     p.add_argument(
         "--calm-requests",
@@ -522,9 +523,34 @@ def main(argv: list[str] | None = None) -> int:
         help="requests of the calm scenario (default: --requests); calm requests are quick and "
         "the calm target (<= 5 %% slow) allows one slow request only from 20 requests on",
     )
-    p.add_argument("--warmup", type=int, default=40, help="calm requests before the scenarios")
-    p.add_argument("--scenarios", default=",".join(SCENARIOS))
-    p.add_argument("--gap-s", type=float, default=8.0, help="recovery between scenarios")
+    p.add_argument("--warmup", type=int, default=warmup, help="calm requests before the scenarios")
+    p.add_argument("--scenarios", default=None, help="comma-separated (default: all)")
+    p.add_argument("--gap-s", type=float, default=gap_s, help="pause between scenarios")
+    p.add_argument("--json", help="write results and the explain document here")
+    p.add_argument("--keep", action="store_true", help="keep the work directory (logs)")
+    p.add_argument("--check", action="store_true", help="exit 1 when a target is missed")
+    return p
+
+
+def parse(
+    p: argparse.ArgumentParser, argv: list[str] | None, scenarios: tuple[str, ...]
+) -> argparse.Namespace:
+    """Parse ``argv``; ``args.scenarios`` becomes the list to run (usage error when unknown)."""
+    args = p.parse_args(argv)
+    args.scenarios = [s for s in (args.scenarios or ",".join(scenarios)).split(",") if s]
+    unknown = set(args.scenarios) - set(scenarios)
+    if unknown:
+        p.error(f"unknown scenarios: {sorted(unknown)}")
+    return args
+
+
+def requests_of(args: argparse.Namespace, name: str) -> int:
+    """Requests scenario ``name`` sends: ``--calm-requests`` for calm when given."""
+    return args.calm_requests if name == "calm" and args.calm_requests else args.requests
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser(__doc__, warmup=40, gap_s=8.0)
     p.add_argument(
         "--memory-squeeze-mb",
         type=int,
@@ -534,14 +560,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--writers", type=int, default=2, help="dd writers in the storage scenario")
     p.add_argument("--net-rate", default="48kbit", help="tbf rate of the shaped link")
     p.add_argument("--workdir", default="/var/tmp", help="on a real disk, not tmpfs")
-    p.add_argument("--json", help="write results and the explain document here")
-    p.add_argument("--keep", action="store_true", help="keep the work directory (logs)")
-    p.add_argument("--check", action="store_true", help="exit 1 when a target is missed")
-    args = p.parse_args(argv)
-    args.scenarios = [s for s in args.scenarios.split(",") if s]
-    unknown = set(args.scenarios) - set(SCENARIOS)
-    if unknown:
-        p.error(f"unknown scenarios: {sorted(unknown)}")
+    args = parse(p, argv, SCENARIOS)
     results, doc, text, ok = run(args)
     emit(text, results, doc, ok, args.json)
     return 0 if ok or not args.check else 1

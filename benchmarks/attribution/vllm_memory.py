@@ -484,7 +484,7 @@ def run(args: argparse.Namespace) -> tuple[list[Any], dict[str, Any], str, bool,
             results.append(
                 b.scenario(
                     name,
-                    args.calm_requests if name == "calm" and args.calm_requests else args.requests,
+                    bench.requests_of(args, name),
                     shapes[name],
                     2000 + 100 * i,
                     t_begin,
@@ -514,17 +514,7 @@ def run(args: argparse.Namespace) -> tuple[list[Any], dict[str, Any], str, bool,
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    p.add_argument("--requests", type=int, default=30, help="requests per scenario")
-    p.add_argument(
-        "--calm-requests",
-        type=int,
-        help="requests of the calm scenario (default: --requests); the calm target (<= 5 %% "
-        "slow) allows one slow request only from 20 requests on",
-    )
-    p.add_argument("--warmup", type=int, default=36, help="calm requests before the scenarios")
-    p.add_argument("--scenarios", default=",".join(SCENARIOS))
-    p.add_argument("--gap-s", type=float, default=4.0, help="pause between scenarios")
+    p = bench.parser(__doc__ or "", warmup=36, gap_s=4.0)
     p.add_argument(
         "--memory-concurrency",
         type=int,
@@ -559,14 +549,7 @@ def main(argv: list[str] | None = None) -> int:
         help="seconds the hogs run before the scenario's requests start",
     )
     p.add_argument("--workdir", default=None, help="where logs go (default: the temp dir)")
-    p.add_argument("--json", help="write results and the explain document here")
-    p.add_argument("--keep", action="store_true", help="keep the work directory (logs)")
-    p.add_argument("--check", action="store_true", help="exit 1 when a target is missed")
-    args = p.parse_args(argv)
-    args.scenarios = [s for s in args.scenarios.split(",") if s]
-    unknown = set(args.scenarios) - set(SCENARIOS)
-    if unknown:
-        p.error(f"unknown scenarios: {sorted(unknown)}")
+    args = bench.parse(p, argv, SCENARIOS)
     results, doc, text, ok, problems = run(args)
     bench.emit(text, results, doc, ok, args.json, problems=problems)
     return 0 if ok or not args.check else 1
