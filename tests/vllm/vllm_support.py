@@ -15,8 +15,8 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -25,41 +25,25 @@ from typing import Any
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-E2E_REQUIRED = os.environ.get("KVPRESSURE_E2E_REQUIRED") == "1"
-CACHE = Path(os.environ.get("KVPRESSURE_CACHE", Path.home() / ".cache" / "kvpressure"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
+# The llama.cpp e2e helpers: the same skip-or-fail rule, ports, log tails and parsing.
+from e2e_support import (
+    CACHE,
+    Samples,
+    parse_exposition,
+    tail,
+)
+from e2e_support import REPO_ROOT as REPO_ROOT  # re-exported for the tests
+from e2e_support import free_port as free_port
+from e2e_support import unavailable as unavailable
+
 SERVED_MODEL = "tiny"
 SERVER_READY_S = 180.0
 AGENT_INTERVAL_S = 0.5
 
-Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
-
 REPORT: dict[str, Any] = {}
 """Observed values, printed in the terminal summary and written to a JSON file."""
-
-
-def unavailable(msg: str) -> None:
-    """Skip, or fail when the e2e run is required (CI)."""
-    if E2E_REQUIRED:
-        pytest.fail(f"{msg} (KVPRESSURE_E2E_REQUIRED=1)", pytrace=False)
-    pytest.skip(msg)
-
-
-def free_port() -> int:
-    """A currently free TCP port on 127.0.0.1."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def tail(path: Path, n: int = 40) -> str:
-    """The last ``n`` lines of a log file, for failure messages."""
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
-    except OSError:
-        return "<no log>"
 
 
 def wait_ok(url: str, timeout_s: float, proc: subprocess.Popen[bytes], log: Path) -> float:
@@ -171,12 +155,7 @@ class Agent:
 
 def scrape(url: str) -> Samples:
     """The agent's ``/metrics`` as ``{(name, labels): value}``."""
-    text = httpx.get(url + "/metrics", timeout=5.0).text
-    out: Samples = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            out[(s.name, frozenset(s.labels.items()))] = float(s.value)
-    return out
+    return parse_exposition(httpx.get(url + "/metrics", timeout=5.0).text)
 
 
 def value(samples: Samples, name: str, **labels: str) -> float | None:
