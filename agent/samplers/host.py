@@ -475,6 +475,23 @@ class _Status:
         if self._RANK[state] > self._RANK[self.state]:
             self.state, self.reason, self.detail = state, reason, detail
 
+    def read(self, path: str, missing: tuple[str, str] | None = None) -> str | None:
+        """Return the stripped contents of an optional file, or None.
+
+        A missing file is not an error (``missing``, when given, is the ``(reason,
+        detail)`` of an ``unsupported`` status to record); any other read error is
+        recorded as an ``error``.
+        """
+        try:
+            return _read_text(path).strip()
+        except FileNotFoundError:
+            if missing is not None:
+                self.set("unsupported", *missing)
+            return None
+        except OSError as exc:
+            self.set("error", _reason(exc), f"{path}: {exc}")
+            return None
+
 
 class HostSampler(Sampler):
     """Reads host memory, swap, paging, PSI, disk, network and NUMA-tier figures.
@@ -707,15 +724,6 @@ class HostSampler(Sampler):
         usages: dict[str, int] = {}
         own_usage: int | None = None
 
-        def read_value(path: str) -> str | None:
-            try:
-                return _read_text(path).strip()
-            except FileNotFoundError:
-                return None
-            except OSError as exc:
-                status.set("error", _reason(exc), f"{path}: {exc}")
-                return None
-
         def as_int(path: str, raw: str) -> int | None:
             value = _int(raw)
             if value is None:
@@ -730,14 +738,14 @@ class HostSampler(Sampler):
                 else ("memory.limit_in_bytes", "memory.usage_in_bytes")
             )
             path = os.path.join(d, limit_file)
-            raw = read_value(path)
+            raw = status.read(path)
             if raw is not None:
                 found = True
                 value = None if raw == "max" else _limit(as_int(path, raw))
                 if value is not None:
                     limits.append((value, d))
             path = os.path.join(d, usage_file)
-            raw = read_value(path)
+            raw = status.read(path)
             if raw is not None:
                 found = True
                 usage = as_int(path, raw)
@@ -747,7 +755,7 @@ class HostSampler(Sampler):
                         own_usage = usage
             if version == 1 and (i == 0 or dirs[i - 1][0] != 1):
                 # v1 leaf: hierarchical_memory_limit covers ancestors we cannot see.
-                raw = read_value(os.path.join(d, "memory.stat"))
+                raw = status.read(os.path.join(d, "memory.stat"))
                 hier = (
                     _limit(parse_kv(raw, _HIER).get("hierarchical_memory_limit")) if raw else None
                 )
@@ -979,32 +987,25 @@ class HostSampler(Sampler):
             if d is None:
                 status.set("error", "cgroup_not_found", f"engine {engine}: cgroup {spec!r}")
                 continue
-            try:
-                current = _int(_read_text(os.path.join(d, "memory.current")).strip())
-            except FileNotFoundError:
-                status.set(
-                    "unsupported",
+            path = os.path.join(d, "memory.current")
+            raw = status.read(
+                path,
+                missing=(
                     "no_memory_controller",
-                    f"{d}/memory.current does not exist (memory controller not enabled there)",
-                )
+                    f"{path} does not exist (memory controller not enabled there)",
+                ),
+            )
+            if raw is None:
                 continue
-            except OSError as exc:
-                status.set("error", _reason(exc), f"{d}/memory.current: {exc}")
-                continue
+            current = _int(raw)
             if current is None or current < 0:
-                status.set("error", "parse_error", f"{d}/memory.current")
+                status.set("error", "parse_error", f"{path}: {raw[:40]!r}")
             else:
                 batch.add("kvpressure_cgroup_memory_used_bytes", current, scope=engine)
             for limit in ("max", "high"):
                 path = os.path.join(d, f"memory.{limit}")
-                try:
-                    raw = _read_text(path).strip()
-                except FileNotFoundError:
-                    continue
-                except OSError as exc:
-                    status.set("error", _reason(exc), f"{path}: {exc}")
-                    continue
-                if raw == "max":
+                raw = status.read(path)
+                if raw is None or raw == "max":
                     continue
                 n = _int(raw)
                 if n is None:
@@ -1013,14 +1014,8 @@ class HostSampler(Sampler):
                     batch.add(
                         "kvpressure_cgroup_memory_limit_bytes", value, scope=engine, limit=limit
                     )
-            path = os.path.join(d, "memory.events")
-            try:
-                events = parse_kv(_read_text(path), CGROUP_MEMORY_EVENTS)
-            except FileNotFoundError:
-                continue
-            except OSError as exc:
-                status.set("error", _reason(exc), f"{path}: {exc}")
-                continue
+            raw = status.read(os.path.join(d, "memory.events"))
+            events = parse_kv(raw, CGROUP_MEMORY_EVENTS) if raw is not None else {}
             for event in CGROUP_MEMORY_EVENTS:
                 if event in events and events[event] >= 0:
                     batch.add(
