@@ -187,12 +187,17 @@ class ProxyConfig(_Model):
         engine: the ``engine`` label of the proxied requests' metrics.
         connect_timeout_s: upstream TCP connect timeout; past it the client gets a 502
             and the request counts as ``upstream_down``.
+        preconnect: after a request that needed a new upstream connection, open one spare
+            connection for the next request (engines such as llama.cpp close the
+            connection after every streamed response, so each request would otherwise wait
+            for a connect); costs the engine one idle connection for up to 4 s.
     """
 
     listen: str
     upstream: str
     engine: EngineLabel
     connect_timeout_s: Seconds = Field(default=5.0, gt=0, le=60)
+    preconnect: bool = True
 
     @field_validator("listen")
     @classmethod

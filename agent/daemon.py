@@ -585,7 +585,9 @@ class Daemon:
         for listen in list(self.proxies):
             p = wanted.get(listen)
             proxy = self.proxies[listen]
-            spec = (p.listen, p.upstream, p.engine, p.connect_timeout_s) if p else None
+            spec = (
+                (p.listen, p.upstream, p.engine, p.connect_timeout_s, p.preconnect) if p else None
+            )
             if spec != proxy.spec:
                 del self.proxies[listen]
                 await proxy.close()
@@ -594,7 +596,12 @@ class Daemon:
             if listen in self.proxies:
                 continue
             proxy = RequestProxy(
-                p.listen, p.upstream, p.engine, self.request_stream, p.connect_timeout_s
+                p.listen,
+                p.upstream,
+                p.engine,
+                self.request_stream,
+                p.connect_timeout_s,
+                preconnect=p.preconnect,
             )
             try:
                 await proxy.start()

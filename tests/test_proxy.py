@@ -26,6 +26,7 @@ import pytest
 from aiohttp import web
 
 from agent.logs import LogfmtFormatter
+from agent.requests import proxy as proxy_module
 from agent.requests.proxy import Observer, RequestProxy, classify_error
 from agent.requests.record import RequestRecord, RequestStream
 
@@ -535,6 +536,237 @@ def test_upstream_dropping_mid_stream_is_a_server_error(
         httpx.post(url(p, "/v1/chat/completions"), json={"model": "drop", "stream": True})
     (rec,) = wait_records(stream)
     assert (rec.outcome, rec.error_type) == ("server_error", "upstream_disconnected")
+
+
+# --- engines that close the connection after every response (llama.cpp) ---------------------
+
+
+class ClosingEngine:
+    """A raw asyncio HTTP server that closes each connection after one response, as
+    llama.cpp does after a streamed one (it still answers ``Keep-Alive: timeout=5``).
+
+    It notes when each connection was accepted and when its request arrived. With
+    ``drop_idle_s`` it drops, unanswered, a connection whose request comes later than that
+    after the accept: an engine closing an idle connection just as the request is sent.
+    """
+
+    RESPONSE = (
+        b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+        b"Keep-Alive: timeout=5, max=100\r\nTransfer-Encoding: chunked\r\n\r\n"
+        + b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in chat_events())
+        + b"0\r\n\r\n"
+    )
+
+    def __init__(self, lt: LoopThread, drop_idle_s: float | None = None) -> None:
+        self.lt = lt
+        self.drop_idle_s = drop_idle_s
+        self.accepted: list[float] = []
+        self.requests: list[tuple[float, float]] = []  # (accepted, request arrived)
+        self.dropped = 0
+        self.closed_unused = 0
+        self.server: asyncio.Server | None = None
+        self.open: set[asyncio.StreamWriter] = set()
+        self.port = 0
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted = time.monotonic()
+        self.accepted.append(accepted)
+        self.open.add(writer)
+        try:
+            await self._answer(reader, writer, accepted)
+        finally:
+            self.open.discard(writer)
+            writer.close()
+
+    async def _answer(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, accepted: float
+    ) -> None:
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+        except (asyncio.IncompleteReadError, ConnectionError):
+            self.closed_unused += 1
+            return
+        arrived = time.monotonic()
+        length = 0
+        for line in head.split(b"\r\n"):
+            name, _, value = line.partition(b":")
+            if name.strip().lower() == b"content-length":
+                length = int(value)
+        await reader.readexactly(length)
+        if self.drop_idle_s is not None and arrived - accepted > self.drop_idle_s:
+            self.dropped += 1
+            return
+        self.requests.append((accepted, arrived))
+        writer.write(self.RESPONSE)
+        await writer.drain()
+
+    async def start(self) -> None:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = self.server.sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        assert self.server is not None
+        self.server.close()
+        for w in list(self.open):  # what asyncio.Server.close_clients does (Python 3.13)
+            w.close()
+        await self.server.wait_closed()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+@pytest.fixture
+def closing_engine(lt: LoopThread) -> Iterator[Callable[..., ClosingEngine]]:
+    made: list[ClosingEngine] = []
+
+    def _make(**kw: Any) -> ClosingEngine:
+        e = ClosingEngine(lt, **kw)
+        lt.run(e.start())
+        made.append(e)
+        return e
+
+    yield _make
+    for e in made:
+        if e.server is not None and e.server.is_serving():
+            lt.run(e.stop())
+
+
+def _wait_until(cond: Callable[[], bool], timeout: float = 3.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.005)
+
+
+def _chat(p: RequestProxy, client: httpx.Client) -> float:
+    """One streamed chat through the proxy, checked byte-exact; returns when it was sent."""
+    sent = time.monotonic()
+    r = client.post(url(p, "/v1/chat/completions"), json=CHAT_BODY)
+    assert r.status_code == 200 and r.content == b"".join(chat_events())
+    return sent
+
+
+def test_engine_closing_after_each_response_gets_a_preopened_connection(
+    closing_engine: Callable[..., ClosingEngine],
+    make_proxy: Callable[..., RequestProxy],
+    stream: RequestStream,
+) -> None:
+    engine = closing_engine()
+    p = make_proxy(engine.url)
+    sent = []
+    with httpx.Client() as c:
+        for i in range(5):
+            sent.append(_chat(p, c))
+            _wait_until(lambda n=i + 2: len(engine.accepted) >= n)  # the spare is connected
+            time.sleep(0.02)
+    recs = wait_records(stream, 5)
+    assert [r.outcome for r in recs] == ["ok"] * 5
+    # The first request waited for its connect; each later one found a connection the
+    # proxy had opened after the previous request, accepted before it was sent.
+    assert recs[0].upstream_connect_s is not None
+    assert [r.upstream_connect_s for r in recs[1:]] == [None] * 4
+    assert [acc < t for (acc, _), t in zip(engine.requests[1:], sent[1:], strict=True)] == [
+        True
+    ] * 4
+    # One spare at most: five requests, five used connections and the one now waiting.
+    assert len(engine.accepted) == 6
+
+
+def test_closing_the_proxy_closes_its_spare_connection(
+    lt: LoopThread,
+    closing_engine: Callable[..., ClosingEngine],
+    stream: RequestStream,
+) -> None:
+    engine = closing_engine()
+    p = RequestProxy("127.0.0.1:0", engine.url, "llamacpp", stream)
+    lt.run(p.start())
+    with httpx.Client() as c:
+        _chat(p, c)
+    _wait_until(lambda: len(engine.accepted) == 2)  # the request's connection and the spare
+    time.sleep(0.02)
+    lt.run(p.close())
+    _wait_until(lambda: engine.closed_unused == 1)  # the spare closed without a request
+
+
+def test_an_unused_spare_is_closed_after_the_keepalive_time(
+    closing_engine: Callable[..., ClosingEngine],
+    make_proxy: Callable[..., RequestProxy],
+    stream: RequestStream,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(proxy_module, "KEEPALIVE_S", 0.2)
+    engine = closing_engine()
+    p = make_proxy(engine.url)
+    with httpx.Client() as c:
+        _chat(p, c)
+    _wait_until(lambda: len(engine.accepted) == 2)
+    t0 = time.monotonic()
+    _wait_until(lambda: engine.closed_unused == 1)  # closed by the proxy, not replaced
+    assert 0.1 <= time.monotonic() - t0 <= 1.5
+    time.sleep(0.3)
+    assert len(engine.accepted) == 2
+    with httpx.Client() as c:  # the next request connects on its own again
+        _chat(p, c)
+    recs = wait_records(stream, 2)
+    assert all(r.upstream_connect_s is not None for r in recs)
+
+
+def test_a_spare_the_engine_drops_is_retried_on_a_new_connection(
+    closing_engine: Callable[..., ClosingEngine],
+    make_proxy: Callable[..., RequestProxy],
+    stream: RequestStream,
+) -> None:
+    # The engine drops a connection whose request comes more than 50 ms after its accept,
+    # just as the request is sent: the proxy cannot know beforehand, so it resends once
+    # on a new connection (the body is small enough to be kept).
+    engine = closing_engine(drop_idle_s=0.05)
+    p = make_proxy(engine.url)
+    with httpx.Client() as c:
+        for _ in range(3):
+            _chat(p, c)
+            time.sleep(0.2)
+    recs = wait_records(stream, 3)
+    assert [r.outcome for r in recs] == ["ok"] * 3
+    assert engine.dropped == 2
+    # The retried requests waited for the new connection, and say so.
+    assert all(r.upstream_connect_s is not None for r in recs)
+
+
+def test_spare_to_an_engine_that_went_away_is_not_used(
+    closing_engine: Callable[..., ClosingEngine],
+    make_proxy: Callable[..., RequestProxy],
+    stream: RequestStream,
+    lt: LoopThread,
+) -> None:
+    engine = closing_engine()
+    p = make_proxy(engine.url)
+    with httpx.Client() as c:
+        _chat(p, c)
+        _wait_until(lambda: len(engine.accepted) == 2)
+        lt.run(engine.stop())  # closes the spare too
+        time.sleep(0.05)
+        t0 = time.monotonic()
+        r = c.post(url(p, "/v1/chat/completions"), json=CHAT_BODY)
+        assert r.status_code == 502 and time.monotonic() - t0 < 1.0
+    recs = wait_records(stream, 2)
+    assert [r.outcome for r in recs] == ["ok", "upstream_down"]
+
+
+def test_preconnect_off_connects_for_every_request(
+    closing_engine: Callable[..., ClosingEngine],
+    make_proxy: Callable[..., RequestProxy],
+    stream: RequestStream,
+) -> None:
+    engine = closing_engine()
+    p = make_proxy(engine.url, preconnect=False)
+    with httpx.Client() as c:
+        for _ in range(3):
+            _chat(p, c)
+            time.sleep(0.05)
+    recs = wait_records(stream, 3)
+    assert all(r.upstream_connect_s is not None for r in recs)
+    assert len(engine.accepted) == 3
 
 
 # --- non-inference pass-through -------------------------------------------------------------

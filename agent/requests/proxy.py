@@ -11,8 +11,8 @@ For inference paths (``POST`` to ``/v1/chat/completions``, ``/v1/completions``,
 ``/generate_stream``, ``/api/generate``, ``/api/chat``) it submits one
 :class:`~agent.requests.record.RequestRecord` with:
 
-* ``upstream_connect_s``: TCP connect to the upstream (aiohttp ``TraceConfig``; absent when
-  a kept-alive connection was reused),
+* ``upstream_connect_s``: the TCP connect to the upstream this request waited for (absent
+  when it was sent on a kept-alive or pre-opened connection, see :class:`UpstreamConnector`),
 * ``ttft_s``: arrival of the first content-bearing chunk (SSE ``data:`` event, or NDJSON
   line, with non-empty ``choices[].delta.content`` / ``reasoning_content`` / ``tool_calls``,
   ``choices[].text``, llama.cpp ``content``, TGI ``token.text``, Ollama ``response`` /
@@ -42,20 +42,25 @@ completion text is never stored or logged. Other paths (``/health``, ``/metrics`
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 import logging
 import re
 import time
 from collections.abc import AsyncIterator
-from types import SimpleNamespace
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
-from aiohttp import web
+from aiohttp import ClientRequest, web
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
 from agent.requests.record import MAX_ITL_GAPS, RequestRecord, RequestStream
+
+if TYPE_CHECKING:
+    from aiohttp.client_proto import ResponseHandler
+    from aiohttp.client_reqrep import ConnectionKey
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +98,11 @@ MAX_LINE_BYTES = 1 << 20
 
 MAX_JSON_BYTES = 4 << 20
 """Largest non-streamed JSON response kept to read ``usage``/``timings``/``error`` from."""
+
+KEEPALIVE_S = 4.0
+"""Longest a kept-alive or pre-opened upstream connection waits unused before the proxy
+closes it; below the idle timeouts of llama.cpp and uvicorn (5 s), so the proxy does not
+send a request on a connection the engine is just closing."""
 
 _ERROR_BODY = (
     b'{"error":{"code":502,"message":"kvpressure proxy: upstream unavailable",'
@@ -396,30 +406,153 @@ def _filter(headers: CIMultiDictProxy[str], drop: frozenset[str] | set[str]) -> 
     return out
 
 
-async def _on_conn_start(
-    _s: aiohttp.ClientSession, ctx: SimpleNamespace, _p: aiohttp.TraceConnectionCreateStartParams
-) -> None:
-    holder = ctx.trace_request_ctx
-    if holder is not None:
-        holder.connect_t0 = time.monotonic()
+@dataclass
+class UpstreamUse:
+    """How one proxied request got its upstream connection (filled in by the connector).
+
+    Attributes:
+        connect_s: seconds the request waited for a new TCP connection (and aiohttp's
+            set-up of it); None when it used a kept-alive or pre-opened one.
+        preconnected: it used the connection :meth:`UpstreamConnector.preconnect` opened.
+        template: the aiohttp request and timeout that needed a non-pooled connection, kept
+            for :meth:`UpstreamConnector.preconnect` (None when the pool served it).
+    """
+
+    connect_s: float | None = None
+    preconnected: bool = False
+    template: tuple[ClientRequest, aiohttp.ClientTimeout] | None = None
 
 
-async def _on_conn_end(
-    _s: aiohttp.ClientSession, ctx: SimpleNamespace, _p: aiohttp.TraceConnectionCreateEndParams
-) -> None:
-    holder = ctx.trace_request_ctx
-    if holder is not None and holder.connect_t0 is not None:
-        holder.connect_s = time.monotonic() - holder.connect_t0
+_UPSTREAM_USE: contextvars.ContextVar[UpstreamUse | None] = contextvars.ContextVar(
+    "kvpressure_upstream_use", default=None
+)
+"""The :class:`UpstreamUse` of the request whose task is asking for a connection."""
 
 
-async def _on_conn_reuse(
-    _s: aiohttp.ClientSession,
-    ctx: SimpleNamespace,
-    _p: aiohttp.TraceConnectionReuseconnParams,
-) -> None:
-    holder = ctx.trace_request_ctx
-    if holder is not None:
-        holder.reused = True
+class UpstreamConnector(aiohttp.TCPConnector):
+    """aiohttp's TCP connector that times new connections and can open one ahead of need.
+
+    aiohttp asks its connector for a new connection only when its keep-alive pool has none
+    for the upstream. This connector times each new connection and writes the duration to
+    the asking request's :class:`UpstreamUse` (found through a context variable: aiohttp
+    connects in the request's own task).
+
+    Some engines close the connection after every streamed response: llama.cpp does, though
+    it answers ``Keep-Alive: timeout=5``. Each request would then wait for a TCP connect
+    and aiohttp's set-up of the connection (0.3-0.4 ms on a 2-core machine, most of the
+    proxy's added time to first token) before its bytes leave the proxy. After a request
+    that needed a new connection has ended, :meth:`preconnect` opens one spare connection,
+    which the next request that finds the pool empty takes instead of connecting. At most
+    one spare per upstream is open or opening; one unused for :data:`KEEPALIVE_S` is closed,
+    and none is opened again until a request needs a new connection again, so an idle
+    proxy holds no connection open. The cost to the engine: one idle connection for up to
+    :data:`KEEPALIVE_S` after a request (llama.cpp serves each connection on one of its
+    HTTP threads, ``--threads-http``).
+
+    The hook is aiohttp's ``_create_connection(req, traces, timeout)``, the method its
+    connectors implement to open a new connection (the same since aiohttp 3.0; the proxy
+    tests exercise it).
+
+    Args:
+        preconnect: open spare connections (False: only time new connections).
+        **kwargs: passed to :class:`aiohttp.TCPConnector`.
+    """
+
+    def __init__(self, *, preconnect: bool = True, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._preconnect = preconnect
+        self._spares: dict[ConnectionKey, tuple[asyncio.Task[ResponseHandler], float]] = {}
+
+    async def _create_connection(
+        self, req: ClientRequest, traces: list[Any], timeout: aiohttp.ClientTimeout
+    ) -> ResponseHandler:
+        use = _UPSTREAM_USE.get()
+        if use is not None and self._preconnect:
+            use.template = (req, timeout)
+        proto = await self._take_spare(req.connection_key, use)
+        if proto is not None:
+            return proto
+        t0 = time.monotonic()
+        proto = await super()._create_connection(req, traces, timeout)
+        if use is not None:
+            use.connect_s = time.monotonic() - t0
+        return proto
+
+    async def _take_spare(
+        self, key: ConnectionKey, use: UpstreamUse | None
+    ) -> ResponseHandler | None:
+        """The spare connection for ``key`` if it is usable, else None (and it is dropped).
+
+        A spare still connecting is waited for (it started before this request, so it is
+        ready sooner than a new connection would be); the wait counts as this request's
+        connect time, and its connect error is this request's error.
+        """
+        entry = self._spares.pop(key, None)
+        if entry is None:
+            return None
+        task, opened = entry
+        if not task.done():
+            t0 = time.monotonic()
+            try:
+                await task
+            finally:
+                if use is not None:
+                    use.connect_s = time.monotonic() - t0
+        elif task.cancelled() or task.exception() is not None:
+            return None  # failed before this request came: it connects on its own
+        proto = task.result()
+        if proto.is_connected() and time.monotonic() - opened <= KEEPALIVE_S:
+            if use is not None:
+                use.preconnected = True
+            return proto
+        proto.close()
+        return None
+
+    def preconnect(self, use: UpstreamUse) -> None:
+        """Open a spare connection like the one ``use`` needed, unless one is open or opening.
+
+        Does nothing when the pool served the request (no ``template``), when this
+        connector does not preconnect, or once it is closed. A spare that fails to connect
+        is dropped quietly: the next request connects on its own and meets the error.
+        """
+        if use.template is None or self.closed:
+            return
+        req, timeout = use.template
+        use.template = None
+        key = req.connection_key
+        if key in self._spares:
+            return
+        task = asyncio.get_running_loop().create_task(super()._create_connection(req, [], timeout))
+        self._spares[key] = (task, time.monotonic())
+        task.add_done_callback(lambda t: self._spare_done(key, t))
+        task.get_loop().call_later(KEEPALIVE_S, self._expire, key, task)
+
+    def _expire(self, key: ConnectionKey, task: asyncio.Task[ResponseHandler]) -> None:
+        entry = self._spares.get(key)
+        if entry is not None and entry[0] is task:
+            del self._spares[key]
+            _close_spare(task)
+
+    def _spare_done(self, key: ConnectionKey, task: asyncio.Task[ResponseHandler]) -> None:
+        if not task.cancelled() and task.exception() is None:
+            return
+        entry = self._spares.get(key)
+        if entry is not None and entry[0] is task:
+            del self._spares[key]
+
+    async def close(self, **kwargs: Any) -> None:
+        """Close the spare connections, then the pool (see :meth:`aiohttp.BaseConnector.close`)."""
+        for task, _ in self._spares.values():
+            _close_spare(task)
+        self._spares.clear()
+        await super().close(**kwargs)
+
+
+def _close_spare(task: asyncio.Task[ResponseHandler]) -> None:
+    if not task.done():
+        task.cancel()
+    elif not task.cancelled() and task.exception() is None:
+        task.result().close()
 
 
 def _split_listen(listen: str) -> tuple[str, int]:
@@ -438,6 +571,8 @@ class RequestProxy:
         connect_timeout_s: seconds to wait for the upstream TCP connect before answering
             502 ``upstream_down``.
         max_connections: most upstream connections at once (later requests wait).
+        preconnect: open a spare upstream connection after a request that needed a new
+            one (see :class:`UpstreamConnector`).
     """
 
     def __init__(
@@ -448,6 +583,7 @@ class RequestProxy:
         stream: RequestStream,
         connect_timeout_s: float = 5.0,
         max_connections: int = 1024,
+        preconnect: bool = True,
     ) -> None:
         self.listen = listen
         self.upstream = upstream.rstrip("/")
@@ -455,14 +591,16 @@ class RequestProxy:
         self._stream = stream
         self._connect_timeout_s = connect_timeout_s
         self._max_connections = max_connections
+        self._preconnect = preconnect
+        self._connector: UpstreamConnector | None = None
         self._session: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
         self.port: int | None = None
 
     @property
-    def spec(self) -> tuple[str, str, str, float]:
+    def spec(self) -> tuple[str, str, str, float, bool]:
         """What the proxy was built from; a reload restarts it when this changes."""
-        return (self.listen, self.upstream, self.engine, self._connect_timeout_s)
+        return (self.listen, self.upstream, self.engine, self._connect_timeout_s, self._preconnect)
 
     async def start(self) -> None:
         """Bind the listener and open the upstream session.
@@ -470,19 +608,18 @@ class RequestProxy:
         Raises:
             OSError: the listen address cannot be bound.
         """
-        trace = aiohttp.TraceConfig()
-        trace.on_connection_create_start.append(_on_conn_start)
-        trace.on_connection_create_end.append(_on_conn_end)
-        trace.on_connection_reuseconn.append(_on_conn_reuse)
+        self._connector = UpstreamConnector(
+            preconnect=self._preconnect,
+            limit=self._max_connections,
+            keepalive_timeout=KEEPALIVE_S,
+            enable_cleanup_closed=False,
+        )
         self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(
-                limit=self._max_connections, keepalive_timeout=4.0, enable_cleanup_closed=False
-            ),
+            connector=self._connector,
             timeout=aiohttp.ClientTimeout(
                 total=None, sock_connect=self._connect_timeout_s, sock_read=None
             ),
             auto_decompress=False,
-            trace_configs=[trace],
             cookie_jar=aiohttp.DummyCookieJar(),
             skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
         )
@@ -499,7 +636,7 @@ class RequestProxy:
         except OSError:
             await runner.cleanup()
             await self._session.close()
-            self._session = None
+            self._session = self._connector = None
             raise
         self._runner = runner
         server = site._server
@@ -523,7 +660,7 @@ class RequestProxy:
             self._runner = None
         if self._session is not None:
             await self._session.close()
-            self._session = None
+            self._session = self._connector = None
 
     async def _body(self, request: web.Request) -> bytes | AsyncIterator[bytes] | None:
         if not request.body_exists:
@@ -538,34 +675,37 @@ class RequestProxy:
         request: web.Request,
         headers: CIMultiDict[str],
         body: bytes | AsyncIterator[bytes] | None,
-        holder: SimpleNamespace,
+        use: UpstreamUse,
     ) -> aiohttp.ClientResponse:
         assert self._session is not None
         url = URL(self.upstream + request.raw_path, encoded=True)
-        for attempt in (0, 1):
-            try:
-                return await self._session.request(
-                    request.method,
-                    url,
-                    headers=headers,
-                    data=body,
-                    allow_redirects=False,
-                    trace_request_ctx=holder,
-                    compress=None,
-                )
-            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
-                # A kept-alive connection the engine had closed: retry once on a new one
-                # when the body can be sent again.
-                if attempt or not holder.reused or not isinstance(body, bytes | None):
-                    raise
-                holder.reused = False
-        raise AssertionError("unreachable")
+        token = _UPSTREAM_USE.set(use)
+        try:
+            for attempt in (0, 1):
+                try:
+                    return await self._session.request(
+                        request.method,
+                        url,
+                        headers=headers,
+                        data=body,
+                        allow_redirects=False,
+                        compress=None,
+                    )
+                except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
+                    # A kept-alive or pre-opened connection the engine had closed: retry
+                    # once on a new one when the body can be sent again.
+                    if attempt or use.connect_s is not None or not isinstance(body, bytes | None):
+                        raise
+                    use.preconnected = False
+            raise AssertionError("unreachable")
+        finally:
+            _UPSTREAM_USE.reset(token)
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         t_wall = time.time()
         t0 = time.monotonic()
         inference = request.method == "POST" and INFERENCE_PATH.match(request.path) is not None
-        holder = SimpleNamespace(connect_t0=None, connect_s=None, reused=False)
+        use = UpstreamUse()
         rec: dict[str, Any] = {}
         outcome = "ok"
         status: int | None = None
@@ -577,7 +717,7 @@ class RequestProxy:
                 headers["Content-Length"] = str(request.content_length)
             body = await self._body(request)
             try:
-                upstream = await self._open(request, headers, body, holder)
+                upstream = await self._open(request, headers, body, use)
             except (aiohttp.ClientConnectionError, TimeoutError) as exc:
                 outcome, status = "upstream_down", 502
                 rec["error_type"] = type(exc).__name__
@@ -630,7 +770,9 @@ class RequestProxy:
                 else:
                     upstream.release()
             if inference:
-                self._record(t_wall, t0, outcome, status, observer, holder, rec)
+                self._record(t_wall, t0, outcome, status, observer, use, rec)
+            if outcome != "upstream_down" and self._connector is not None:
+                self._connector.preconnect(use)
 
     def _record(
         self,
@@ -639,7 +781,7 @@ class RequestProxy:
         outcome: str,
         status: int | None,
         observer: Observer | None,
-        holder: SimpleNamespace,
+        use: UpstreamUse,
         rec: dict[str, Any],
     ) -> None:
         e2e = time.monotonic() - t0
@@ -668,7 +810,7 @@ class RequestProxy:
             input_tokens=o.input_tokens if o else None,
             output_tokens=o.output_tokens if o else None,
             cached_tokens=o.cached_tokens if o else None,
-            upstream_connect_s=holder.connect_s,
+            upstream_connect_s=use.connect_s,
             status=status,
             error_type=(o.error_type if o and o.error_type else rec.get("error_type")),
         )
