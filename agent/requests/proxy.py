@@ -769,10 +769,11 @@ class RequestProxy:
                     upstream.close()  # drop the connection: the engine stops generating
                 else:
                     upstream.release()
+            if outcome != "upstream_down" and self._connector is not None:
+                # Before the record: the client may send its next request at once.
+                self._connector.preconnect(use)
             if inference:
                 self._record(t_wall, t0, outcome, status, observer, use, rec)
-            if outcome != "upstream_down" and self._connector is not None:
-                self._connector.preconnect(use)
 
     def _record(
         self,
