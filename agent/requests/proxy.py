@@ -413,13 +413,11 @@ class UpstreamUse:
     Attributes:
         connect_s: seconds the request waited for a new TCP connection (and aiohttp's
             set-up of it); None when it used a kept-alive or pre-opened one.
-        preconnected: it used the connection :meth:`UpstreamConnector.preconnect` opened.
         template: the aiohttp request and timeout that needed a non-pooled connection, kept
             for :meth:`UpstreamConnector.preconnect` (None when the pool served it).
     """
 
     connect_s: float | None = None
-    preconnected: bool = False
     template: tuple[ClientRequest, aiohttp.ClientTimeout] | None = None
 
 
@@ -439,8 +437,8 @@ class UpstreamConnector(aiohttp.TCPConnector):
 
     Some engines close the connection after every streamed response: llama.cpp does, though
     it answers ``Keep-Alive: timeout=5``. Each request would then wait for a TCP connect
-    and aiohttp's set-up of the connection (0.3-0.4 ms on a 2-core machine, most of the
-    proxy's added time to first token) before its bytes leave the proxy. After a request
+    and aiohttp's set-up of the connection (0.3-0.4 ms on a 2-core machine) before its
+    bytes leave the proxy. After a request
     that needed a new connection has ended, :meth:`preconnect` opens one spare connection,
     which the next request that finds the pool empty takes instead of connecting. At most
     one spare per upstream is open or opening; one unused for :data:`KEEPALIVE_S` is closed,
@@ -502,8 +500,6 @@ class UpstreamConnector(aiohttp.TCPConnector):
             return None  # failed before this request came: it connects on its own
         proto = task.result()
         if proto.is_connected() and time.monotonic() - opened <= KEEPALIVE_S:
-            if use is not None:
-                use.preconnected = True
             return proto
         proto.close()
         return None
@@ -696,7 +692,6 @@ class RequestProxy:
                     # once on a new one when the body can be sent again.
                     if attempt or use.connect_s is not None or not isinstance(body, bytes | None):
                         raise
-                    use.preconnected = False
             raise AssertionError("unreachable")
         finally:
             _UPSTREAM_USE.reset(token)
