@@ -577,21 +577,23 @@ class Daemon:
             await asyncio.sleep(0.1)
 
     async def _apply_proxies(self, cfg: Config) -> None:
-        """Start, keep or stop request proxies so they match ``cfg.proxies``.
+        """Start, reconfigure or stop request proxies so they match ``cfg.proxies``.
 
-        A proxy whose address cannot be bound is logged and skipped; the agent runs on.
+        A proxy whose ``listen`` stays is reconfigured in place (its listener stays open;
+        requests in flight finish on the old settings). A proxy whose address cannot be
+        bound is logged and skipped; the agent runs on.
         """
         wanted = {p.listen: p for p in cfg.proxies}
         for listen in list(self.proxies):
             p = wanted.get(listen)
             proxy = self.proxies[listen]
-            spec = (
-                (p.listen, p.upstream, p.engine, p.connect_timeout_s, p.preconnect) if p else None
-            )
-            if spec != proxy.spec:
+            if p is None:
                 del self.proxies[listen]
                 await proxy.close()
                 log.info("proxy stopped", extra={"kv": {"listen": listen}})
+            elif (p.listen, p.upstream, p.engine, p.connect_timeout_s, p.preconnect) != proxy.spec:
+                # Same address: keep the listener, so clients are never refused.
+                await proxy.reconfigure(p.upstream, p.engine, p.connect_timeout_s, p.preconnect)
         for listen, p in wanted.items():
             if listen in self.proxies:
                 continue

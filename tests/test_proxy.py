@@ -753,6 +753,43 @@ def test_spare_to_an_engine_that_went_away_is_not_used(
     assert [r.outcome for r in recs] == ["ok", "upstream_down"]
 
 
+def test_reconfigure_keeps_listening_and_lets_streams_in_flight_finish(
+    lt: LoopThread,
+    engine: Engine,
+    closing_engine: Callable[..., ClosingEngine],
+    make_proxy: Callable[..., RequestProxy],
+    stream: RequestStream,
+) -> None:
+    # A reload that changes the upstream must not refuse new clients while an old stream
+    # is still running: the listener stays, the old stream finishes on the old engine,
+    # new requests go to the new one.
+    p = make_proxy(engine.url, engine="old")
+    new_engine = closing_engine()
+    port = p.port
+    got: dict[str, Any] = {}
+
+    def slow_stream() -> None:
+        with httpx.Client() as c:
+            r = c.post(url(p, "/v1/chat/completions"), json=CHAT_BODY, timeout=10)
+            got["status"], got["body"] = r.status_code, r.content
+
+    t = threading.Thread(target=slow_stream)
+    t.start()
+    time.sleep(FIRST_DELAY_S / 2)  # the stream is open upstream, nothing sent yet
+    lt.run(p.reconfigure(new_engine.url, "new", 5.0, True))
+    assert p.port == port and p.spec[1:3] == (new_engine.url, "new")
+    with httpx.Client() as c:
+        sent = time.monotonic()
+        _chat(p, c)  # served at once by the new engine, not refused
+        assert time.monotonic() - sent < FIRST_DELAY_S
+    t.join(10)
+    assert got == {"status": 200, "body": b"".join(chat_events())}
+    recs = sorted(wait_records(stream, 2), key=lambda r: r.engine)
+    assert [(r.engine, r.outcome) for r in recs] == [("new", "ok"), ("old", "ok")]
+    assert len(new_engine.requests) == 1
+    _wait_until(lambda: len(p._open_ups) == 1)  # the old upstream session is closed
+
+
 def test_preconnect_off_connects_for_every_request(
     closing_engine: Callable[..., ClosingEngine],
     make_proxy: Callable[..., RequestProxy],

@@ -276,24 +276,21 @@ def test_daemon_wires_proxy_and_otlp_into_metrics(upstream: _Upstream, tmp_path:
         _wait_metric(base, "kvpressure_otlp_spans_received_total", 1, result="record")
         _wait_metric(base, "kvpressure_sampler_up", 1, sampler="requests")
 
-        # SIGHUP with a changed proxy list: the old proxy goes, the new one serves, and the
-        # cumulative counts survive the reload.
+        # SIGHUP with a changed proxy setting: the proxy is reconfigured in place (same
+        # listener), serves on, and the cumulative counts survive the reload.
         path.write_text(
             cfg_text.replace(
                 "listen: '127.0.0.1:0', upstream",
                 "listen: '127.0.0.1:0', connect_timeout_s: 2, upstream",
             )
         )
+        port = proxy.port
         loop.call_soon_threadsafe(d._on_hup)
         deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:
-            p2 = d.proxies.get("127.0.0.1:0")
-            if p2 is not None and p2 is not proxy and p2.port:
-                break
+        while proxy.spec[3] != 2 and time.monotonic() < deadline:
             time.sleep(0.05)
-        p2 = d.proxies["127.0.0.1:0"]
-        assert p2 is not proxy
-        r = httpx.post(f"http://127.0.0.1:{p2.port}/v1/chat/completions", json={"stream": True})
+        assert d.proxies["127.0.0.1:0"] is proxy and proxy.spec[3] == 2 and proxy.port == port
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json={"stream": True})
         assert r.status_code == 200
         _wait_metric(base, "kvpressure_requests_total", 2, engine="llamacpp", outcome="ok")
     finally:

@@ -556,6 +556,49 @@ def _split_listen(listen: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+class _Upstream:
+    """One setting of a proxy's upstream and the aiohttp session that reaches it.
+
+    Holds the engine's URL and label and a session on an :class:`UpstreamConnector`.
+    A reconfigured proxy gets a new one; the old one serves the requests already sent
+    through it and is closed when the last of them ends (:attr:`active`).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        engine: str,
+        connect_timeout_s: float,
+        preconnect: bool,
+        max_connections: int,
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.engine = engine
+        self.connect_timeout_s = connect_timeout_s
+        self.preconnect = preconnect
+        self.connector = UpstreamConnector(
+            preconnect=preconnect,
+            limit=max_connections,
+            keepalive_timeout=KEEPALIVE_S,
+            enable_cleanup_closed=False,
+        )
+        self.session = aiohttp.ClientSession(
+            connector=self.connector,
+            timeout=aiohttp.ClientTimeout(
+                total=None, sock_connect=connect_timeout_s, sock_read=None
+            ),
+            auto_decompress=False,
+            cookie_jar=aiohttp.DummyCookieJar(),
+            skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
+        )
+        self.active = 0
+        self.retired = False
+
+    @property
+    def spec(self) -> tuple[str, str, float, bool]:
+        return (self.url, self.engine, self.connect_timeout_s, self.preconnect)
+
+
 class RequestProxy:
     """One streaming reverse proxy (see the module docstring).
 
@@ -569,6 +612,8 @@ class RequestProxy:
         max_connections: most upstream connections at once (later requests wait).
         preconnect: open a spare upstream connection after a request that needed a new
             one (see :class:`UpstreamConnector`).
+
+    :meth:`reconfigure` changes everything but ``listen`` without closing the listener.
     """
 
     def __init__(
@@ -582,21 +627,68 @@ class RequestProxy:
         preconnect: bool = True,
     ) -> None:
         self.listen = listen
-        self.upstream = upstream.rstrip("/")
-        self.engine = engine
         self._stream = stream
-        self._connect_timeout_s = connect_timeout_s
         self._max_connections = max_connections
-        self._preconnect = preconnect
-        self._connector: UpstreamConnector | None = None
-        self._session: aiohttp.ClientSession | None = None
+        self._settings = (upstream.rstrip("/"), engine, connect_timeout_s, preconnect)
+        self._up: _Upstream | None = None
+        self._open_ups: set[_Upstream] = set()
+        self._closing: set[asyncio.Task[None]] = set()
         self._runner: web.AppRunner | None = None
         self.port: int | None = None
 
     @property
+    def upstream(self) -> str:
+        """Base URL of the engine new requests go to."""
+        return self._settings[0]
+
+    @property
+    def engine(self) -> str:
+        """The ``engine`` label of new requests' records."""
+        return self._settings[1]
+
+    @property
     def spec(self) -> tuple[str, str, str, float, bool]:
-        """What the proxy was built from; a reload restarts it when this changes."""
-        return (self.listen, self.upstream, self.engine, self._connect_timeout_s, self._preconnect)
+        """(listen, upstream, engine, connect_timeout_s, preconnect) as now configured."""
+        return (self.listen, *self._settings)
+
+    def _new_upstream(self) -> _Upstream:
+        up = _Upstream(*self._settings, max_connections=self._max_connections)
+        self._open_ups.add(up)
+        return up
+
+    async def reconfigure(
+        self, upstream: str, engine: str, connect_timeout_s: float, preconnect: bool
+    ) -> None:
+        """Send new requests to ``upstream`` with these settings; the listener stays open.
+
+        Requests already in flight finish on the old upstream session, which is closed
+        when the last of them ends. Before :meth:`start` only the settings change.
+        """
+        self._settings = (upstream.rstrip("/"), engine, connect_timeout_s, preconnect)
+        old = self._up
+        if old is None:
+            return
+        self._up = self._new_upstream()
+        old.retired = True
+        if old.active == 0:
+            await self._close_upstream(old)
+        log.info(
+            "proxy reconfigured",
+            extra={
+                "kv": {"address": self.listen, "upstream": self.upstream, "engine": self.engine}
+            },
+        )
+
+    async def _close_upstream(self, up: _Upstream) -> None:
+        self._open_ups.discard(up)
+        await up.session.close()
+
+    def _release_upstream(self, up: _Upstream) -> None:
+        up.active -= 1
+        if up.retired and up.active == 0 and up in self._open_ups:
+            task = asyncio.get_running_loop().create_task(self._close_upstream(up))
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
 
     async def start(self) -> None:
         """Bind the listener and open the upstream session.
@@ -604,21 +696,7 @@ class RequestProxy:
         Raises:
             OSError: the listen address cannot be bound.
         """
-        self._connector = UpstreamConnector(
-            preconnect=self._preconnect,
-            limit=self._max_connections,
-            keepalive_timeout=KEEPALIVE_S,
-            enable_cleanup_closed=False,
-        )
-        self._session = aiohttp.ClientSession(
-            connector=self._connector,
-            timeout=aiohttp.ClientTimeout(
-                total=None, sock_connect=self._connect_timeout_s, sock_read=None
-            ),
-            auto_decompress=False,
-            cookie_jar=aiohttp.DummyCookieJar(),
-            skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
-        )
+        self._up = self._new_upstream()
         app = web.Application(client_max_size=INLINE_BODY_MAX + 1)
         app.router.add_route("*", "/{tail:.*}", self._handle)
         runner = web.AppRunner(
@@ -631,8 +709,8 @@ class RequestProxy:
             await site.start()
         except OSError:
             await runner.cleanup()
-            await self._session.close()
-            self._session = self._connector = None
+            await self._close_upstream(self._up)
+            self._up = None
             raise
         self._runner = runner
         server = site._server
@@ -650,13 +728,15 @@ class RequestProxy:
         )
 
     async def close(self) -> None:
-        """Stop listening and close the upstream session."""
+        """Stop listening (requests in flight finish first) and close the upstream sessions."""
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
-        if self._session is not None:
-            await self._session.close()
-            self._session = self._connector = None
+        for up in list(self._open_ups):
+            await self._close_upstream(up)
+        if self._closing:
+            await asyncio.gather(*self._closing, return_exceptions=True)
+        self._up = None
 
     async def _body(self, request: web.Request) -> bytes | AsyncIterator[bytes] | None:
         if not request.body_exists:
@@ -668,18 +748,18 @@ class RequestProxy:
 
     async def _open(
         self,
+        up: _Upstream,
         request: web.Request,
         headers: CIMultiDict[str],
         body: bytes | AsyncIterator[bytes] | None,
         use: UpstreamUse,
     ) -> aiohttp.ClientResponse:
-        assert self._session is not None
-        url = URL(self.upstream + request.raw_path, encoded=True)
+        url = URL(up.url + request.raw_path, encoded=True)
         token = _UPSTREAM_USE.set(use)
         try:
             for attempt in (0, 1):
                 try:
-                    return await self._session.request(
+                    return await up.session.request(
                         request.method,
                         url,
                         headers=headers,
@@ -700,6 +780,10 @@ class RequestProxy:
         t_wall = time.time()
         t0 = time.monotonic()
         inference = request.method == "POST" and INFERENCE_PATH.match(request.path) is not None
+        up = self._up
+        if up is None:  # closing
+            return web.Response(status=502, body=_ERROR_BODY, content_type="application/json")
+        up.active += 1
         use = UpstreamUse()
         rec: dict[str, Any] = {}
         outcome = "ok"
@@ -712,11 +796,11 @@ class RequestProxy:
                 headers["Content-Length"] = str(request.content_length)
             body = await self._body(request)
             try:
-                upstream = await self._open(request, headers, body, use)
+                upstream = await self._open(up, request, headers, body, use)
             except (aiohttp.ClientConnectionError, TimeoutError) as exc:
                 outcome, status = "upstream_down", 502
                 rec["error_type"] = type(exc).__name__
-                kv = {"engine": self.engine, "upstream": self.upstream, "error": rec["error_type"]}
+                kv = {"engine": up.engine, "upstream": up.url, "error": rec["error_type"]}
                 log.warning("upstream unavailable", extra={"kv": kv})
                 return web.Response(status=502, body=_ERROR_BODY, content_type="application/json")
             status = upstream.status
@@ -764,14 +848,16 @@ class RequestProxy:
                     upstream.close()  # drop the connection: the engine stops generating
                 else:
                     upstream.release()
-            if outcome != "upstream_down" and self._connector is not None:
+            if outcome != "upstream_down":
                 # Before the record: the client may send its next request at once.
-                self._connector.preconnect(use)
+                up.connector.preconnect(use)
+            self._release_upstream(up)
             if inference:
-                self._record(t_wall, t0, outcome, status, observer, use, rec)
+                self._record(up.engine, t_wall, t0, outcome, status, observer, use, rec)
 
     def _record(
         self,
+        engine: str,
         t_wall: float,
         t0: float,
         outcome: str,
@@ -792,7 +878,7 @@ class RequestProxy:
                 outcome = "client_error"
         o = observer
         record = RequestRecord(
-            engine=self.engine,
+            engine=engine,
             start=t_wall,
             end=t_wall + e2e,
             outcome=outcome,
@@ -815,7 +901,7 @@ class RequestProxy:
             "request",
             extra={
                 "kv": {
-                    "engine": self.engine,
+                    "engine": engine,
                     "status": status,
                     "outcome": record.outcome,
                     "ttft_s": record.ttft_s,
