@@ -1045,8 +1045,8 @@ _ALL: tuple[Metric, ...] = (
         "kvpressure_proxy_upstream_connect_seconds",
         "histogram",
         "seconds",
-        "TCP connect time from a request proxy to its engine, for requests that opened a new "
-        "connection (aiohttp TraceConfig).",
+        "Time a proxied request waited for a new TCP connection to its engine; requests sent "
+        "on a kept-alive or pre-opened (preconnect) connection waited for none.",
         ("engine",),
         "",
         "requests",

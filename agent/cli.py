@@ -54,7 +54,10 @@ def _cmd_check_config(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return 1
-    print(f"{args.file}: ok ({len(cfg.engines)} engine(s), listen {cfg.listen})")
+    print(
+        f"{args.file}: ok ({len(cfg.engines)} engine(s), {len(cfg.proxies)} prox"
+        f"{'y' if len(cfg.proxies) == 1 else 'ies'}, listen {cfg.listen})"
+    )
     return 0
 
 

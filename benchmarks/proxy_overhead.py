@@ -9,8 +9,11 @@ request to the first SSE event carrying content.
 
 Usage::
 
-    .venv/bin/python benchmarks/proxy_overhead.py [--pairs 500] [--max-tokens 4] [--json OUT]
+    .venv/bin/python benchmarks/proxy_overhead.py [--pairs 500] [--threads 2] [--json OUT] [--check]
     .venv/bin/python benchmarks/proxy_overhead.py --synthetic   # deterministic SSE upstream
+
+Prerequisites: the test extras (``.venv/bin/pip install -e '.[test]'``: it shares the
+end-to-end tests' helpers) and ``scripts/ensure-llamacpp`` (llama.cpp and the model).
 
 ``--synthetic`` replaces llama.cpp by a small aiohttp server (its own process) that sends
 llama.cpp-shaped SSE events on a fixed schedule (first content after 20 ms, then every
@@ -180,6 +183,7 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=10, help="unmeasured pairs first")
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--json", type=Path, help="also write the results here")
+    ap.add_argument("--check", action="store_true", help="exit 1 when the target is not met")
     ap.add_argument("--synthetic", action="store_true", help="deterministic SSE upstream")
     ap.add_argument("--threads", type=int, default=2, help="llama-server -t (the e2e tests use 2)")
     ap.add_argument("--serve-synthetic", type=int, help=argparse.SUPPRESS)
@@ -305,7 +309,7 @@ def main() -> int:
     print(f"target added p50 <= {TARGET_ADDED_P50_MS} ms: {'met' if ok else 'NOT met'}")
     if args.json:
         args.json.write_text(json.dumps(res, indent=2) + "\n")
-    return 0
+    return 1 if args.check and not ok else 0
 
 
 if __name__ == "__main__":
