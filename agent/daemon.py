@@ -506,8 +506,13 @@ class Daemon:
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(signal.SIGHUP, self._on_hup)
         await self._serve(self.config.listen_host, self.config.listen_port)
-        await self._apply_proxies(self.config)
-        self._apply(self.config)
+        # A SIGTERM that came while the listener was being bound (signals are handled only
+        # at awaits) stops the start-up here: no proxy or sampler is started only to be
+        # stopped again.
+        if not self._stopping.is_set():
+            await self._apply_proxies(self.config)
+        if not self._stopping.is_set():
+            self._apply(self.config)
         tasks = [
             asyncio.create_task(self._discovery_loop()),
             asyncio.create_task(self._watchdog()),

@@ -269,3 +269,27 @@ def test_fake_h200_binding_serves_every_design_gpu_metric():
         if f.name == "kvpressure_gpu_memory_total_bytes"
     )
     assert total.samples[0].value == 143771 * 2**20  # H200 as NVML reports it
+
+
+def test_stop_requested_during_start_up_starts_no_sampler(monkeypatch):
+    """A SIGTERM handled while the listener is being bound ends the start-up there."""
+    cfg = parse(f"listen: '127.0.0.1:0'\n{QUIET}")
+    d = Daemon(cfg, extra_samplers=[Counting("fake", interval_s=0.05)])
+    serve = d._serve
+
+    async def serve_then_term(host, port):
+        await serve(host, port)
+        os.kill(os.getpid(), signal.SIGTERM)  # handled by the loop at the next await
+        await asyncio.sleep(0.05)
+
+    monkeypatch.setattr(d, "_serve", serve_then_term)
+    started = []
+
+    def record_start(runner):
+        started.append(runner)
+
+    monkeypatch.setattr(SamplerRunner, "start", record_start)
+    t0 = time.monotonic()
+    asyncio.run(d.run())
+    assert time.monotonic() - t0 < 2.0
+    assert started == [] and d.proxies == {}
