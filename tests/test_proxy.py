@@ -468,6 +468,30 @@ def test_upstream_down_is_a_quick_502(
     assert SECRET_PROMPT not in logs.getvalue()
 
 
+def test_upstream_down_is_logged_once_per_interval_not_per_request(
+    make_proxy: Callable[..., RequestProxy],
+    stream: RequestStream,
+    logs: io.StringIO,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(proxy_module, "DOWN_LOG_EVERY_S", 0.3)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = s.getsockname()[1]
+    p = make_proxy(f"http://127.0.0.1:{dead}")
+    with httpx.Client() as c:
+        for _ in range(5):
+            assert c.post(url(p, "/v1/completions"), json={"prompt": "x"}).status_code == 502
+        time.sleep(0.35)
+        assert c.post(url(p, "/v1/completions"), json={"prompt": "x"}).status_code == 502
+    recs = wait_records(stream, 6)
+    assert [r.outcome for r in recs] == ["upstream_down"] * 6  # every failure is counted
+    lines = [ln for ln in logs.getvalue().splitlines() if "upstream unavailable" in ln]
+    assert len(lines) == 2, lines
+    assert "failed_since_last_log" not in lines[0]
+    assert "failed_since_last_log=4" in lines[1]
+
+
 def test_connect_timeout_is_a_502(
     make_proxy: Callable[..., RequestProxy],
     stream: RequestStream,

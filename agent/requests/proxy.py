@@ -104,6 +104,10 @@ KEEPALIVE_S = 4.0
 closes it; below the idle timeouts of llama.cpp and uvicorn (5 s), so the proxy does not
 send a request on a connection the engine is just closing."""
 
+DOWN_LOG_EVERY_S = 10.0
+"""While the upstream stays unreachable, one warning per this many seconds (with the count
+of the failures not logged since), not one per request."""
+
 _ERROR_BODY = (
     b'{"error":{"code":502,"message":"kvpressure proxy: upstream unavailable",'
     b'"type":"upstream_down"}}'
@@ -633,6 +637,8 @@ class RequestProxy:
         self._up: _Upstream | None = None
         self._open_ups: set[_Upstream] = set()
         self._closing: set[asyncio.Task[None]] = set()
+        self._down_logged_at: float | None = None
+        self._down_unlogged = 0
         self._runner: web.AppRunner | None = None
         self.port: int | None = None
 
@@ -800,8 +806,7 @@ class RequestProxy:
             except (aiohttp.ClientConnectionError, TimeoutError) as exc:
                 outcome, status = "upstream_down", 502
                 rec["error_type"] = type(exc).__name__
-                kv = {"engine": up.engine, "upstream": up.url, "error": rec["error_type"]}
-                log.warning("upstream unavailable", extra={"kv": kv})
+                self._log_down(up, rec["error_type"])
                 return web.Response(status=502, body=_ERROR_BODY, content_type="application/json")
             status = upstream.status
             resp = web.StreamResponse(
@@ -854,6 +859,18 @@ class RequestProxy:
             self._release_upstream(up)
             if inference:
                 self._record(up.engine, t_wall, t0, outcome, status, observer, use, rec)
+
+    def _log_down(self, up: _Upstream, error: str) -> None:
+        now = time.monotonic()
+        last = self._down_logged_at
+        if last is not None and now - last < DOWN_LOG_EVERY_S:
+            self._down_unlogged += 1
+            return
+        kv = {"engine": up.engine, "upstream": up.url, "error": error}
+        if self._down_unlogged:
+            kv["failed_since_last_log"] = str(self._down_unlogged)
+        log.warning("upstream unavailable", extra={"kv": kv})
+        self._down_logged_at, self._down_unlogged = now, 0
 
     def _record(
         self,
