@@ -49,6 +49,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SHUTDOWN_GRACE_S = 1.5
+PROXY_DRAIN_S = 3600.0
+"""Longest a proxy removed by a reload waits for its requests in flight before closing."""
 
 
 class SamplerRunner:
@@ -204,6 +206,9 @@ class Daemon:
             self.request_stream, [self.otlp_receiver], interval_s=config.interval_s
         )
         self.proxies: dict[str, RequestProxy] = {}
+        self._proxies_lock = asyncio.Lock()
+        self._retiring: set[asyncio.Task[None]] = set()
+        self._retired_proxies: set[RequestProxy] = set()
         # Attribution: the store (history, slow counts) outlives sampler rebuilds on reload.
         self.attributions = AttributionStore(
             config.attribution.recent_requests, config.attribution.recent_attributions
@@ -585,44 +590,69 @@ class Daemon:
         """Start, reconfigure or stop request proxies so they match ``cfg.proxies``.
 
         A proxy whose ``listen`` stays is reconfigured in place (its listener stays open;
-        requests in flight finish on the old settings). A proxy whose address cannot be
-        bound is logged and skipped; the agent runs on.
+        requests in flight finish on the old settings). A proxy whose ``listen`` goes stops
+        listening at once, before the new ones bind, and finishes its requests in flight in
+        the background. A proxy whose address cannot be bound is logged and skipped; the
+        agent runs on. Reloads apply one after another, in the order they came.
         """
-        wanted = {p.listen: p for p in cfg.proxies}
-        for listen in list(self.proxies):
-            p = wanted.get(listen)
-            proxy = self.proxies[listen]
-            if p is None:
-                del self.proxies[listen]
-                await proxy.close()
-                log.info("proxy stopped", extra={"kv": {"listen": listen}})
-            elif (p.listen, p.upstream, p.engine, p.connect_timeout_s, p.preconnect) != proxy.spec:
-                # Same address: keep the listener, so clients are never refused.
-                await proxy.reconfigure(p.upstream, p.engine, p.connect_timeout_s, p.preconnect)
-        for listen, p in wanted.items():
-            if listen in self.proxies:
-                continue
-            proxy = RequestProxy(
-                p.listen,
-                p.upstream,
-                p.engine,
-                self.request_stream,
-                p.connect_timeout_s,
-                preconnect=p.preconnect,
-            )
-            try:
-                await proxy.start()
-            except OSError as exc:
-                log.error(
-                    "proxy could not listen",
-                    extra={"kv": {"listen": listen, "error": f"{type(exc).__name__}: {exc}"}},
+        async with self._proxies_lock:
+            wanted = {p.listen: p for p in cfg.proxies}
+            gone = [
+                self.proxies.pop(listen) for listen in list(self.proxies) if listen not in wanted
+            ]
+            for proxy in gone:
+                await proxy.stop_listening()
+                log.info("proxy stopped listening", extra={"kv": {"listen": proxy.listen}})
+            for listen, p in wanted.items():
+                kept = self.proxies.get(listen)
+                spec = (p.listen, p.upstream, p.engine, p.connect_timeout_s, p.preconnect)
+                if kept is not None:
+                    if spec != kept.spec:
+                        await kept.reconfigure(
+                            p.upstream, p.engine, p.connect_timeout_s, p.preconnect
+                        )
+                    continue
+                proxy = RequestProxy(
+                    p.listen,
+                    p.upstream,
+                    p.engine,
+                    self.request_stream,
+                    p.connect_timeout_s,
+                    preconnect=p.preconnect,
                 )
-                continue
-            self.proxies[listen] = proxy
+                try:
+                    await proxy.start()
+                except OSError as exc:
+                    log.error(
+                        "proxy could not listen",
+                        extra={"kv": {"listen": listen, "error": f"{type(exc).__name__}: {exc}"}},
+                    )
+                    continue
+                self.proxies[listen] = proxy
+            for proxy in gone:
+                task = asyncio.get_running_loop().create_task(self._retire_proxy(proxy))
+                self._retiring.add(task)
+                task.add_done_callback(self._retiring.discard)
+
+    async def _retire_proxy(self, proxy: RequestProxy) -> None:
+        self._retired_proxies.add(proxy)
+        try:
+            await proxy.drain(PROXY_DRAIN_S)
+        finally:
+            self._retired_proxies.discard(proxy)
+            await proxy.close()
+        log.info("proxy stopped", extra={"kv": {"listen": proxy.listen}})
 
     async def _shutdown(self) -> None:
-        for proxy in list(self.proxies.values()):
-            await proxy.close()
+        # Proxies still draining after a reload stop draining: every proxy gets the same
+        # short grace (RequestProxy.close), so the stop stays within SHUTDOWN_GRACE_S-ish.
+        for task in self._retiring:
+            task.cancel()
+        await asyncio.gather(
+            *self._retiring,
+            *(proxy.close() for proxy in self.proxies.values()),
+            return_exceptions=True,
+        )
         self.proxies.clear()
         if self.otlp_export is not None:
             await asyncio.to_thread(self.otlp_export.shutdown, 0.5)

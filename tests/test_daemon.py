@@ -293,3 +293,152 @@ def test_stop_requested_during_start_up_starts_no_sampler(monkeypatch):
     asyncio.run(d.run())
     assert time.monotonic() - t0 < 2.0
     assert started == [] and d.proxies == {}
+
+
+def _slow_sse_upstream(n_events=10):
+    """An aiohttp engine on its own loop thread streaming ``n_events`` SSE events 0.1 s apart.
+
+    Returns (url, the whole stream's bytes, stop).
+    """
+    from aiohttp import web
+
+    loop = asyncio.new_event_loop()
+    events = [b'data: {"choices":[{"delta":{"content":"t%d"}}]}\n\n' % i for i in range(n_events)]
+
+    async def chat(request):
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for e in events:
+            await resp.write(e)
+            await asyncio.sleep(0.1)
+        await resp.write_eof()
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    runner = web.AppRunner(app)
+    loop.run_until_complete(runner.setup())
+    port = _free_port()
+    loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
+    t = threading.Thread(target=loop.run_forever, daemon=True)
+    t.start()
+
+    def stop():
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(5)
+        loop.call_soon_threadsafe(loop.stop)
+        t.join(5)
+
+    return f"http://127.0.0.1:{port}", b"".join(events), stop
+
+
+def test_reload_moving_a_proxy_serves_the_new_port_at_once(tmp_path):
+    """A proxy whose listen changes stops listening at once, the new address serves at once,
+    and the old one's stream in flight finishes; quick successive reloads leave exactly the
+    configured listener."""
+    upstream, whole, stop_upstream = _slow_sse_upstream()
+    ports = [_free_port() for _ in range(3)]
+
+    def config(port):
+        return (
+            f"listen: '127.0.0.1:0'\n{QUIET}"
+            f"proxies: [{{listen: '127.0.0.1:{port}', upstream: '{upstream}', engine: e}}]\n"
+        )
+
+    p = tmp_path / "k.yaml"
+    p.write_text(config(ports[0]))
+    d = Daemon(parse(p.read_text(), str(p)), p)
+    loop, t = _run_daemon(d)
+    got = {}
+
+    def stream_through_old():
+        r = httpx.post(f"http://127.0.0.1:{ports[0]}/v1/chat/completions", json={}, timeout=10)
+        got["old"] = (r.status_code, r.content)
+
+    try:
+        s = threading.Thread(target=stream_through_old)
+        s.start()
+        time.sleep(0.2)  # the stream is running (1 s long)
+        p.write_text(config(ports[1]))
+        loop.call_soon_threadsafe(d._on_hup)
+        t0 = time.monotonic()
+        while True:
+            try:
+                with httpx.stream(
+                    "POST", f"http://127.0.0.1:{ports[1]}/v1/chat/completions", json={}
+                ) as r:
+                    answered = time.monotonic() - t0
+                    body = r.read()
+                break
+            except httpx.ConnectError:
+                assert time.monotonic() - t0 < 0.6, "the new address did not serve in time"
+                time.sleep(0.02)
+        assert r.status_code == 200 and body == whole
+        assert answered < 0.6  # long before the old stream ends
+        with pytest.raises(httpx.ConnectError):
+            httpx.post(f"http://127.0.0.1:{ports[0]}/v1/chat/completions", json={})
+        s.join(10)
+        assert got["old"] == (200, whole)
+
+        # Two reloads in quick succession while a stream runs on the current port.
+        s = threading.Thread(
+            target=lambda: httpx.post(
+                f"http://127.0.0.1:{ports[1]}/v1/chat/completions", json={}, timeout=10
+            )
+        )
+        s.start()
+        time.sleep(0.2)
+        p.write_text(config(ports[2]))
+        loop.call_soon_threadsafe(d._on_hup)
+        time.sleep(0.05)
+        p.write_text(config(ports[0]))
+        loop.call_soon_threadsafe(d._on_hup)
+        s.join(10)
+        time.sleep(0.3)
+        assert list(d.proxies) == [f"127.0.0.1:{ports[0]}"]
+        assert (
+            httpx.post(f"http://127.0.0.1:{ports[0]}/v1/chat/completions", json={}).content == whole
+        )
+        for gone in ports[1:]:
+            with pytest.raises(httpx.ConnectError):
+                httpx.post(f"http://127.0.0.1:{gone}/v1/chat/completions", json={})
+    finally:
+        loop.call_soon_threadsafe(d.request_stop)
+        t.join(10)
+        stop_upstream()
+    assert not t.is_alive()
+
+
+def test_stop_does_not_wait_for_long_streams(tmp_path):
+    """SIGTERM with a 10 s stream in flight through a proxy: the agent stops within 2 s,
+    cutting the stream (its client sees it end early) instead of waiting for it."""
+    upstream, _, stop_upstream = _slow_sse_upstream(n_events=100)
+    port = _free_port()
+    cfg = parse(
+        f"listen: '127.0.0.1:0'\n{QUIET}"
+        f"proxies: [{{listen: '127.0.0.1:{port}', upstream: '{upstream}', engine: e}}]\n"
+    )
+    d = Daemon(cfg)
+    loop, t = _run_daemon(d)
+    got = {}
+
+    def stream():
+        try:
+            httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json={}, timeout=30)
+            got["error"] = None
+        except httpx.HTTPError as exc:
+            got["error"] = type(exc).__name__
+
+    try:
+        s = threading.Thread(target=stream)
+        s.start()
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        loop.call_soon_threadsafe(d.request_stop)
+        t.join(10)
+        took = time.monotonic() - t0
+        s.join(10)
+    finally:
+        stop_upstream()
+    assert not t.is_alive() and took < 2.0, took
+    assert got["error"] is not None  # the stream was cut, not completed

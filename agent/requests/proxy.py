@@ -104,6 +104,11 @@ KEEPALIVE_S = 4.0
 closes it; below the idle timeouts of llama.cpp and uvicorn (5 s), so the proxy does not
 send a request on a connection the engine is just closing."""
 
+CLOSE_GRACE_S = 0.5
+"""Requests still in flight this long after :meth:`RequestProxy.close` began are cut (the
+agent's stop must not wait for long streams; a reload drains them first, see
+:meth:`RequestProxy.drain`)."""
+
 DOWN_LOG_EVERY_S = 10.0
 """While the upstream stays unreachable, one warning per this many seconds (with the count
 of the failures not logged since), not one per request."""
@@ -706,7 +711,11 @@ class RequestProxy:
         app = web.Application(client_max_size=INLINE_BODY_MAX + 1)
         app.router.add_route("*", "/{tail:.*}", self._handle)
         runner = web.AppRunner(
-            app, access_log=None, handle_signals=False, handler_cancellation=True
+            app,
+            access_log=None,
+            handle_signals=False,
+            handler_cancellation=True,
+            shutdown_timeout=CLOSE_GRACE_S,
         )
         await runner.setup()
         host, port = _split_listen(self.listen)
@@ -733,8 +742,29 @@ class RequestProxy:
             },
         )
 
+    @property
+    def in_flight(self) -> int:
+        """Requests being proxied now."""
+        return sum(up.active for up in self._open_ups)
+
+    async def drain(self, timeout_s: float) -> None:
+        """Wait until no request is in flight, at most ``timeout_s`` seconds."""
+        deadline = time.monotonic() + timeout_s
+        while self.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+
+    async def stop_listening(self) -> None:
+        """Stop accepting connections now; requests in flight go on until :meth:`close`."""
+        if self._runner is not None:
+            for site in list(self._runner.sites):
+                await site.stop()
+
     async def close(self) -> None:
-        """Stop listening (requests in flight finish first) and close the upstream sessions."""
+        """Stop listening and close the upstream sessions.
+
+        Requests in flight get :data:`CLOSE_GRACE_S` to finish; then they are cancelled
+        (recorded as ``cancelled``, their upstream requests closed).
+        """
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
