@@ -590,23 +590,20 @@ class Daemon:
         """Start, reconfigure or stop request proxies so they match ``cfg.proxies``.
 
         A proxy whose ``listen`` stays is reconfigured in place (its listener stays open;
-        requests in flight finish on the old settings). A proxy whose ``listen`` goes stops
-        listening at once, before the new ones bind, and finishes its requests in flight in
-        the background. A proxy whose address cannot be bound is logged and skipped; the
-        agent runs on. Reloads apply one after another, in the order they came.
+        requests in flight finish on the old settings). New addresses are bound first; then
+        proxies whose ``listen`` went stop listening at once and finish their requests in
+        flight in the background. When a new address cannot be bound (e.g. a port typo),
+        the error is logged and the proxies this reload would have removed keep serving, so
+        a bad reload does not leave clients without a proxy. Reloads apply one after
+        another, in the order they came.
         """
         async with self._proxies_lock:
             wanted = {p.listen: p for p in cfg.proxies}
-            gone = [
-                self.proxies.pop(listen) for listen in list(self.proxies) if listen not in wanted
-            ]
-            for proxy in gone:
-                await proxy.stop_listening()
-                log.info("proxy stopped listening", extra={"kv": {"listen": proxy.listen}})
+            all_bound = True
             for listen, p in wanted.items():
                 kept = self.proxies.get(listen)
-                spec = (p.listen, p.upstream, p.engine, p.connect_timeout_s, p.preconnect)
                 if kept is not None:
+                    spec = (p.listen, p.upstream, p.engine, p.connect_timeout_s, p.preconnect)
                     if spec != kept.spec:
                         await kept.reconfigure(
                             p.upstream, p.engine, p.connect_timeout_s, p.preconnect
@@ -623,13 +620,24 @@ class Daemon:
                 try:
                     await proxy.start()
                 except OSError as exc:
+                    all_bound = False
                     log.error(
                         "proxy could not listen",
                         extra={"kv": {"listen": listen, "error": f"{type(exc).__name__}: {exc}"}},
                     )
                     continue
                 self.proxies[listen] = proxy
-            for proxy in gone:
+            gone = [listen for listen in self.proxies if listen not in wanted]
+            if gone and not all_bound:
+                log.error(
+                    "proxies kept until a reload binds every new address",
+                    extra={"kv": {"listen": ",".join(gone)}},
+                )
+                return
+            for listen in gone:
+                proxy = self.proxies.pop(listen)
+                await proxy.stop_listening()
+                log.info("proxy stopped listening", extra={"kv": {"listen": listen}})
                 task = asyncio.get_running_loop().create_task(self._retire_proxy(proxy))
                 self._retiring.add(task)
                 task.add_done_callback(self._retiring.discard)

@@ -442,3 +442,49 @@ def test_stop_does_not_wait_for_long_streams(tmp_path):
         stop_upstream()
     assert not t.is_alive() and took < 2.0, took
     assert got["error"] is not None  # the stream was cut, not completed
+
+
+def test_reload_to_an_address_in_use_keeps_the_old_proxy(tmp_path, caplog):
+    """A reload moving a proxy to a port that cannot be bound (a typo, a busy port) keeps
+    the old proxy serving; the next good reload moves it."""
+    upstream, whole, stop_upstream = _slow_sse_upstream(n_events=2)
+    old_port, good_port = _free_port(), _free_port()
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen(1)
+
+    def config(port):
+        return (
+            f"listen: '127.0.0.1:0'\n{QUIET}"
+            f"proxies: [{{listen: '127.0.0.1:{port}', upstream: '{upstream}', engine: e}}]\n"
+        )
+
+    p = tmp_path / "k.yaml"
+    p.write_text(config(old_port))
+    d = Daemon(parse(p.read_text(), str(p)), p)
+    loop, t = _run_daemon(d)
+
+    def chat(port):
+        return httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json={}).content
+
+    try:
+        p.write_text(config(busy.getsockname()[1]))
+        loop.call_soon_threadsafe(d._on_hup)
+        time.sleep(0.5)
+        assert list(d.proxies) == [f"127.0.0.1:{old_port}"]
+        assert chat(old_port) == whole
+        assert "proxy could not listen" in caplog.text
+        assert "proxies kept until a reload binds every new address" in caplog.text
+        p.write_text(config(good_port))
+        loop.call_soon_threadsafe(d._on_hup)
+        time.sleep(0.5)
+        assert list(d.proxies) == [f"127.0.0.1:{good_port}"]
+        assert chat(good_port) == whole
+        with pytest.raises(httpx.ConnectError):
+            chat(old_port)
+    finally:
+        loop.call_soon_threadsafe(d.request_stop)
+        t.join(10)
+        stop_upstream()
+        busy.close()
+    assert not t.is_alive()
