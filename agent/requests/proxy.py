@@ -468,7 +468,9 @@ class UpstreamConnector(aiohttp.TCPConnector):
     def __init__(self, *, preconnect: bool = True, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._preconnect = preconnect
-        self._spares: dict[ConnectionKey, tuple[asyncio.Task[ResponseHandler], float]] = {}
+        self._spares: dict[ConnectionKey, asyncio.Task[ResponseHandler]] = {}
+        """Per upstream, the spare connection open or opening; each is dropped by a timer
+        after :data:`KEEPALIVE_S`, so every one here is younger than that."""
 
     async def _create_connection(
         self, req: ClientRequest, traces: list[Any], timeout: aiohttp.ClientTimeout
@@ -494,10 +496,9 @@ class UpstreamConnector(aiohttp.TCPConnector):
         ready sooner than a new connection would be); the wait counts as this request's
         connect time, and its connect error is this request's error.
         """
-        entry = self._spares.pop(key, None)
-        if entry is None:
+        task = self._spares.pop(key, None)
+        if task is None:
             return None
-        task, opened = entry
         if not task.done():
             t0 = time.monotonic()
             try:
@@ -508,7 +509,7 @@ class UpstreamConnector(aiohttp.TCPConnector):
         elif task.cancelled() or task.exception() is not None:
             return None  # failed before this request came: it connects on its own
         proto = task.result()
-        if proto.is_connected() and time.monotonic() - opened <= KEEPALIVE_S:
+        if proto.is_connected():
             return proto
         proto.close()
         return None
@@ -528,26 +529,28 @@ class UpstreamConnector(aiohttp.TCPConnector):
         if key in self._spares:
             return
         task = asyncio.get_running_loop().create_task(super()._create_connection(req, [], timeout))
-        self._spares[key] = (task, time.monotonic())
+        self._spares[key] = task
         task.add_done_callback(lambda t: self._spare_done(key, t))
         task.get_loop().call_later(KEEPALIVE_S, self._expire, key, task)
 
-    def _expire(self, key: ConnectionKey, task: asyncio.Task[ResponseHandler]) -> None:
-        entry = self._spares.get(key)
-        if entry is not None and entry[0] is task:
+    def _forget(self, key: ConnectionKey, task: asyncio.Task[ResponseHandler]) -> bool:
+        """Drop ``task`` as the spare of ``key`` if it still is; True when it was."""
+        if self._spares.get(key) is task:
             del self._spares[key]
+            return True
+        return False
+
+    def _expire(self, key: ConnectionKey, task: asyncio.Task[ResponseHandler]) -> None:
+        if self._forget(key, task):
             _close_spare(task)
 
     def _spare_done(self, key: ConnectionKey, task: asyncio.Task[ResponseHandler]) -> None:
-        if not task.cancelled() and task.exception() is None:
-            return
-        entry = self._spares.get(key)
-        if entry is not None and entry[0] is task:
-            del self._spares[key]
+        if task.cancelled() or task.exception() is not None:
+            self._forget(key, task)
 
     async def close(self, **kwargs: Any) -> None:
         """Close the spare connections, then the pool (see :meth:`aiohttp.BaseConnector.close`)."""
-        for task, _ in self._spares.values():
+        for task in self._spares.values():
             _close_spare(task)
         self._spares.clear()
         await super().close(**kwargs)
@@ -602,10 +605,6 @@ class _Upstream:
         )
         self.active = 0
         self.retired = False
-
-    @property
-    def spec(self) -> tuple[str, str, float, bool]:
-        return (self.url, self.engine, self.connect_timeout_s, self.preconnect)
 
 
 class RequestProxy:
