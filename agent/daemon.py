@@ -208,7 +208,6 @@ class Daemon:
         self.proxies: dict[str, RequestProxy] = {}
         self._proxies_lock = asyncio.Lock()
         self._retiring: set[asyncio.Task[None]] = set()
-        self._retired_proxies: set[RequestProxy] = set()
         # Attribution: the store (history, slow counts) outlives sampler rebuilds on reload.
         self.attributions = AttributionStore(
             config.attribution.recent_requests, config.attribution.recent_attributions
@@ -643,11 +642,9 @@ class Daemon:
                 task.add_done_callback(self._retiring.discard)
 
     async def _retire_proxy(self, proxy: RequestProxy) -> None:
-        self._retired_proxies.add(proxy)
         try:
             await proxy.drain(PROXY_DRAIN_S)
-        finally:
-            self._retired_proxies.discard(proxy)
+        finally:  # also when the agent's stop cancels the drain
             await proxy.close()
         log.info("proxy stopped", extra={"kv": {"listen": proxy.listen}})
 
