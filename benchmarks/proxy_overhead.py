@@ -22,7 +22,7 @@ busy machine run the benchmark under ``nice -n -10`` (the servers inherit it).
 
 Environment: ``KVPRESSURE_LLAMA_URL`` uses an already running server instead of starting
 one; otherwise the llama-server binary and model are found as the e2e tests find them
-(``KVPRESSURE_LLAMA_SERVER``, ``KVPRESSURE_MODEL``, or the venv and the default cache).
+(``KVPRESSURE_LLAMA_SERVER``, ``KVPRESSURE_MODEL``, or the default cache).
 
 Prints TTFT p50/p99 direct and through the proxy, the added p50/p99 (proxy percentile
 minus direct percentile) and the median of the per-pair differences; the target is an

