@@ -36,6 +36,11 @@ import urllib.request
 from pathlib import Path
 
 START_TIMEOUT_S = 120.0
+# One token each in common tokenizers, so W words make a prompt of about W tokens.
+_WORDS = (
+    "the cat sat on a mat and the dog ran to the park while birds sang in green trees "
+    "near an old house by the river where people walk every day"
+).split()
 REQUEST_TIMEOUT_S = 300.0
 
 
@@ -133,7 +138,7 @@ def check(
             gen: list[float] = []
             prompt: list[float] = []
             for i in range(runs):
-                words = " ".join(f"word{(i * 7 + j) % 97}" for j in range(prompt_words))
+                words = " ".join(_WORDS[(i * 7 + j) % len(_WORDS)] for j in range(prompt_words))
                 body = {
                     "prompt": f"Run {i}. {words} The three primary colours are",
                     "n_predict": tokens,
