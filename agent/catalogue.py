@@ -644,6 +644,29 @@ _ALL: tuple[Metric, ...] = (
         "engine",
     ),
     _m(
+        "kvpressure_engine_series_merged_total",
+        "counter",
+        "1",
+        "Exposition samples folded into another instead of being summed as a second fact: "
+        "reason=duplicate (a repeated series, same name and labels: the last copy is kept), "
+        "per_process (rows differing only by a pid label: counters summed, gauges take the "
+        "live value).",
+        ("engine", "instance", "reason"),
+        "",
+        "engine",
+    ),
+    _m(
+        "kvpressure_engine_models_dropped",
+        "gauge",
+        "1",
+        "Models over the per-engine model cap (32) in the last scrape, whose samples were "
+        "dropped; the kept ones are those under the most pressure (KV usage, running, "
+        "waiting).",
+        ("engine", "instance"),
+        "",
+        "engine",
+    ),
+    _m(
         "kvpressure_engine_kv_cache_usage_ratio",
         "gauge",
         "ratio",

@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from agent.catalogue import CATALOGUE
-from agent.samplers.engines import EngineSampler, make_engine_sampler, probe
+from agent.samplers.engines import ENGINE_TYPES, EngineSampler, make_engine_sampler, probe
 from agent.samples import Batch
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -626,3 +626,136 @@ def test_kvbm_endpoint_is_a_tier_source_without_kv_status(
     name = "kvpressure_engine_kv_offload_blocks_total"
     assert value(batch, name, tier="kv_host", direction="offload") == 96000
     assert_catalogued(batch)
+
+
+# --- issue 17: one fact is never summed twice; the model cap keeps the pressured models ----
+
+# (engine type, running gauge, waiting gauge, prompt-token counter sample, model label)
+_ENGINES = [
+    (
+        "vllm",
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:prompt_tokens_total",
+        "model_name",
+    ),
+    (
+        "sglang",
+        "sglang:num_running_reqs",
+        "sglang:num_queue_reqs",
+        "sglang:prompt_tokens_total",
+        "model_name",
+    ),
+    (
+        "trtllm",
+        "trtllm:num_requests_running",
+        "trtllm:num_requests_waiting",
+        "trtllm:prompt_tokens_total",
+        "model_name",
+    ),
+    ("tgi", "tgi_batch_current_size", "tgi_queue_size", "tgi_request_input_length_sum", ""),
+]
+
+
+def _merged(batch: Batch, reason: str) -> float | None:
+    return value(batch, "kvpressure_engine_series_merged_total", reason=reason)
+
+
+@pytest.mark.parametrize(("etype", "running", "waiting", "counter", "mlabel"), _ENGINES)
+def test_issue17_repeated_series_is_kept_once_last_wins(
+    stub: EngineStub,
+    samplers: list[EngineSampler],
+    etype: str,
+    running: str,
+    waiting: str,
+    counter: str,
+    mlabel: str,
+) -> None:
+    lbl = f'{{{mlabel}="m"}}' if mlabel else ""
+    family = running.rsplit("_total", 1)[0]
+    body = (
+        f"# TYPE {family} gauge\n{running}{lbl} 5\n"
+        f"# TYPE {family} gauge\n{running}{lbl} 7\n"  # the family again: 7 is the value
+        f"{waiting}{lbl} 2\n"
+        f"{counter}{lbl} 100\n{counter}{lbl} 100\n"  # the same counter line twice
+    )
+    stub.serve(ENGINE_TYPES[etype].metrics_path, body)
+    s = sampler(samplers, stub.url, etype)
+    batch = collect(s)
+    model = {"model": "m"} if mlabel else {}
+    assert value(batch, "kvpressure_engine_requests_running", **model) == 7  # was 12
+    assert value(batch, "kvpressure_engine_requests_waiting", **model) == 2
+    prompt = [smp.value for smp in batch.samples if "prompt" in smp.name and "_total" in smp.name]
+    assert prompt and all(v == 100 for v in prompt), prompt  # was 200
+    assert _merged(batch, "duplicate") == 2
+    assert _merged(batch, "per_process") == 0
+    collect(s)
+    assert _merged(collect(s), "duplicate") == 6  # cumulative
+    assert_catalogued(batch)
+
+
+@pytest.mark.parametrize(("etype", "running", "waiting", "counter", "mlabel"), _ENGINES)
+def test_issue17_per_process_rows_collapse_by_metric_type(
+    stub: EngineStub,
+    samplers: list[EngineSampler],
+    etype: str,
+    running: str,
+    waiting: str,
+    counter: str,
+    mlabel: str,
+) -> None:
+    # prometheus_client multiprocess mode: one row per pid; the gauge's idle processes
+    # hold 0, the counter's processes each count their own requests
+    m = f'{mlabel}="m",' if mlabel else ""
+    zeros = "".join(f'{running}{{{m}pid="{100 + i}"}} 0.0\n' for i in range(7))
+    body = (
+        f'# TYPE {running} gauge\n{zeros}{running}{{{m}pid="200"}} 3.0\n'
+        f"# TYPE {waiting} gauge\n"
+        f'{waiting}{{{m}pid="100"}} 4.0\n{waiting}{{{m}pid="101"}} 4.0\n'
+        f'{counter}{{{m}pid="100"}} 10\n{counter}{{{m}pid="101"}} 20\n'
+    )
+    stub.serve(ENGINE_TYPES[etype].metrics_path, body)
+    s = sampler(samplers, stub.url, etype)
+    batch = collect(s)
+    model = {"model": "m"} if mlabel else {}
+    assert value(batch, "kvpressure_engine_requests_running", **model) == 3  # the live row
+    assert value(batch, "kvpressure_engine_requests_waiting", **model) == 4  # not 8: one fact
+    prompt = [smp.value for smp in batch.samples if "prompt" in smp.name and "_total" in smp.name]
+    assert prompt and all(v == 30 for v in prompt), prompt  # counters: the processes' sum
+    assert _merged(batch, "per_process") == 7 + 1 + 1
+    assert _merged(batch, "duplicate") == 0
+    assert all("pid" not in dict(smp.labels) for smp in batch.samples)
+
+
+def test_issue17_model_cap_keeps_the_models_under_pressure(
+    stub: EngineStub, samplers: list[EngineSampler], caplog: pytest.LogCaptureFixture
+) -> None:
+    # 40 LoRA adapters; the hot one sorts last alphabetically and must survive the cap
+    lines = []
+    for i in range(40):
+        name = f"adapter-{i:02d}"
+        kv = 0.99 if i == 39 else 0.01
+        waiting = 5 if i == 38 else 0
+        lines.append(f'vllm:kv_cache_usage_perc{{model_name="{name}"}} {kv}\n')
+        lines.append(f'vllm:num_requests_running{{model_name="{name}"}} {i % 3}\n')
+        lines.append(f'vllm:num_requests_waiting{{model_name="{name}"}} {waiting}\n')
+    stub.serve("/metrics", "".join(lines))
+    s = sampler(samplers, stub.url, "vllm")
+    with caplog.at_level(logging.WARNING):
+        batch = collect(s)
+        collect(s)
+        collect(s)
+    kv = "kvpressure_engine_kv_cache_usage_ratio"
+    assert value(batch, kv, model="adapter-39") == 0.99  # alphabetical order dropped it
+    assert value(batch, "kvpressure_engine_requests_waiting", model="adapter-38") == 5
+    models = {dict(smp.labels).get("model") for smp in batch.samples if smp.name == kv}
+    assert len(models) == 32
+    assert value(batch, "kvpressure_engine_models_dropped") == 8
+    warned = [r.getMessage() for r in caplog.records if "cap of 32" in r.getMessage()]
+    assert len(warned) == 1 and "dropped 8" in warned[0]  # once per change, with counts
+    # the dropped set changes: one more warning
+    stub.serve("/metrics", "".join(lines[: 3 * 33]))
+    with caplog.at_level(logging.WARNING):
+        batch = collect(s)
+    assert value(batch, "kvpressure_engine_models_dropped") == 1
+    assert len([r for r in caplog.records if "cap of 32" in r.getMessage()]) == 2
