@@ -1103,6 +1103,17 @@ _ALL: tuple[Metric, ...] = (
         "",
         "requests",
     ),
+    _m(
+        "kvpressure_otlp_span_attributes_dropped_total",
+        "counter",
+        "1",
+        "Timing or token attributes of received LLM spans dropped as unusable (negative, a -1 "
+        "sentinel, NaN, infinite, not a number), by attribute key; the span and its valid "
+        "fields are kept.",
+        ("attribute",),
+        "",
+        "requests",
+    ),
     # --- capacity -----------------------------------------------------------------------
     _m(
         "kvpressure_kv_bytes_per_token",
