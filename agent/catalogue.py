@@ -448,7 +448,8 @@ _ALL: tuple[Metric, ...] = (
         "kvpressure_gpu_memory_used_bytes",
         "gauge",
         "bytes",
-        "Device memory used (nvmlDeviceGetMemoryInfo_v2 used).",
+        "Device memory used (nvmlDeviceGetMemoryInfo_v2 used). On a unified-memory part whose "
+        "NVML total is the system's memory: the sum of its processes' memory instead.",
         GPU_LABELS,
         "hw.gpu.memory.usage",
         "gpu",
@@ -551,9 +552,32 @@ _ALL: tuple[Metric, ...] = (
         "kvpressure_gpu_process_memory_bytes",
         "gauge",
         "bytes",
-        "GPU memory held by a process (nvmlDeviceGetComputeRunningProcesses), joined to the "
-        "engine the agent knows at that PID.",
+        "GPU memory held by a process (nvmlDeviceGetComputeRunningProcesses and "
+        "nvmlDeviceGetGraphicsRunningProcesses, one row per PID), PID in the agent's PID "
+        "namespace (NSpid), joined to the engine the agent knows at that PID.",
         (*GPU_LABELS, "pid", "process", "engine"),
+        "",
+        "gpu",
+    ),
+    _m(
+        "kvpressure_gpu_values_dropped_total",
+        "counter",
+        "1",
+        "Impossible NVML values dropped, the rest of the sample kept: reason="
+        "process_pid_invalid (PID 0, 4294967295 or above Linux's pid limit), "
+        "process_duplicate (a PID listed twice by one call; one row kept), "
+        "process_memory_above_total (a process holding more than the device).",
+        (*GPU_LABELS, "reason"),
+        "",
+        "gpu",
+    ),
+    _m(
+        "kvpressure_gpu_unified_memory_available_bytes",
+        "gauge",
+        "bytes",
+        "Unified-memory parts (GB10, GH200 reporting system memory, ...): memory available to "
+        "the GPU, which is the host's MemAvailable (/proc/meminfo), shared with the CPU.",
+        GPU_LABELS,
         "",
         "gpu",
     ),

@@ -181,6 +181,7 @@ class FakeDevice:
     nvlink: dict[str, list[_Rate]] = field(default_factory=dict)
     xid_events: bool = True
     processes: list[tuple[int, int | None, str]] = field(default_factory=list)
+    graphics_processes: list[tuple[int, int | None, str]] = field(default_factory=list)
     not_supported: set[str] = field(default_factory=set)
     mig_capable: bool = False
     mig_max: int = 7
@@ -361,12 +362,7 @@ class FakeNvml:
                 ]
                 for d in ("tx", "rx")
             }
-        dev.processes = [
-            (int(p["pid"]) + index, _mib(p.get("used_mib")), str(p.get("name", "python3")))
-            for p in spec.get("processes") or ()
-        ]
-        for p in dev.processes:
-            self._names[p[0]] = p[2]
+        dev.processes, dev.graphics_processes = self._processes(spec, index)
         mig = spec.get("mig")
         if mig:
             dev.mig_capable = True
@@ -399,14 +395,31 @@ class FakeNvml:
                     gi=int(inst["gi"]),
                     ci=int(inst.get("ci", 0)),
                 )
-                child.processes = [
-                    (int(p["pid"]) + index, _mib(p.get("used_mib")), str(p.get("name", "python3")))
-                    for p in inst.get("processes") or ()
-                ]
-                for p in child.processes:
-                    self._names[p[0]] = p[2]
+                child.processes, child.graphics_processes = self._processes(inst, index)
                 dev.migs.append(child)
         return dev
+
+    def _processes(
+        self, spec: Mapping[str, Any], index: int
+    ) -> tuple[list[tuple[int, int | None, str]], list[tuple[int, int | None, str]]]:
+        """The compute and graphics process rows of a device spec.
+
+        A row's ``type`` is ``compute`` (default), ``graphics`` or ``both`` (listed by both
+        NVML calls, as a process with both contexts is). ``pid`` is offset by the GPU index
+        unless ``raw_pid: true`` (for recorded values such as PID 4294967295).
+        """
+        compute: list[tuple[int, int | None, str]] = []
+        graphics: list[tuple[int, int | None, str]] = []
+        for p in spec.get("processes") or ():
+            pid = int(p["pid"]) + (0 if p.get("raw_pid") else index)
+            row = (pid, _mib(p.get("used_mib")), str(p.get("name", "python3")))
+            kind = str(p.get("type", "compute"))
+            if kind in ("compute", "both"):
+                compute.append(row)
+            if kind in ("graphics", "both"):
+                graphics.append(row)
+            self._names[pid] = row[2]
+        return compute, graphics
 
     # ---- scripting (tests) ---------------------------------------------------------------
     def set(self, index: int, mig: int | None = None, **values: Any) -> None:
@@ -421,7 +434,8 @@ class FakeNvml:
                 ``power_w``, ``temperature_c``, ``pcie_tx_bytes_per_s``,
                 ``pcie_rx_bytes_per_s``, ``nvlink_tx_kib_per_s_per_link``,
                 ``nvlink_rx_kib_per_s_per_link``, ``processes`` (``(pid, bytes[, name])``
-                tuples), ``hang_s`` (each call sleeps this long), ``lost`` (bool).
+                tuples, compute), ``graphics_processes`` (the same, graphics),
+                ``memory_total`` (bytes), ``hang_s`` (each call sleeps this long), ``lost`` (bool).
 
         Raises:
             KeyError: an unknown value name.
@@ -461,13 +475,16 @@ class FakeNvml:
         elif key.startswith("nvlink_") and dev.nvlink:
             for r in dev.nvlink[key.split("_")[1]]:
                 r.set_rate(float(v), now)
-        elif key == "processes":
-            dev.processes = []
+        elif key in ("processes", "graphics_processes"):
+            rows: list[tuple[int, int | None, str]] = []
             for p in v:
                 pid, used = int(p[0]), (None if p[1] is None else int(p[1]))
                 name = str(p[2]) if len(p) > 2 else "python3"
-                dev.processes.append((pid, used, name))
+                rows.append((pid, used, name))
                 self._names[pid] = name
+            setattr(dev, key, rows)
+        elif key == "memory_total":
+            dev.memory_total = None if v is None else int(v)
         elif key == "hang_s":
             dev.hang_s = float(v)
         elif key == "lost":
@@ -707,6 +724,18 @@ class FakeNvml:
         children = dev.migs if dev.mig_enabled else [dev]
         for d in children:
             for pid, used, _name in d.processes:
+                procs.append(
+                    Struct(pid=pid, usedGpuMemory=used, gpuInstanceId=d.gi, computeInstanceId=d.ci)
+                )
+        return procs
+
+    def nvmlDeviceGetGraphicsRunningProcesses(self, handle: Any) -> list[Struct]:
+        """``nvmlDeviceGetGraphicsRunningProcesses`` (v3): same shape as the compute list."""
+        dev = self._dev("nvmlDeviceGetGraphicsRunningProcesses", handle)
+        procs: list[Struct] = []
+        children = dev.migs if dev.mig_enabled else [dev]
+        for d in children:
+            for pid, used, _name in d.graphics_processes:
                 procs.append(
                     Struct(pid=pid, usedGpuMemory=used, gpuInstanceId=d.gi, computeInstanceId=d.ci)
                 )
