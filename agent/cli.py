@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -281,10 +282,27 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+EXIT_BROKEN_PIPE = 141
+"""Exit code when the reader of stdout went away (128 + SIGPIPE, as ``cat | head`` gives)."""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``kvpressure`` console script; returns the exit code."""
+    """Entry point of the ``kvpressure`` console script; returns the exit code.
+
+    A reader that closes stdout early (``kvpressure metrics | head``) ends the command
+    quietly with :data:`EXIT_BROKEN_PIPE`, without a ``BrokenPipeError`` traceback.
+    """
     args = build_parser().parse_args(argv)
-    rc: int = args.func(args)
+    try:
+        rc: int = args.func(args)
+        sys.stdout.flush()  # a closed pipe surfaces here, not at interpreter exit
+    except BrokenPipeError:
+        # Python's documented recipe: point stdout at devnull so the exit-time flush of
+        # the rest of the buffer cannot raise again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return EXIT_BROKEN_PIPE
     return rc
 
 
