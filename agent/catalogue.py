@@ -1036,12 +1036,32 @@ _ALL: tuple[Metric, ...] = (
         "engine",
     ),
     _m(
+        "kvpressure_engine_latency_window_observations",
+        "gauge",
+        "1",
+        "Observations in the window behind kvpressure_engine_latency_seconds (last 60 s of "
+        "the engine's histogram); below 5 the percentiles are absent.",
+        (*ENGINE_LABELS, "phase"),
+        "",
+        "engine",
+    ),
+    _m(
         "kvpressure_engine_kv_block_residency_seconds",
         "gauge",
         "seconds",
         "Windowed percentiles (p50, p95, p99) of KV block residency, event=lifetime|"
         "idle_before_evict|reuse_gap (vLLM --kv-cache-metrics histograms), absent when off.",
         (*ENGINE_LABELS, "event", "percentile"),
+        "",
+        "engine",
+    ),
+    _m(
+        "kvpressure_engine_kv_block_residency_window_observations",
+        "gauge",
+        "1",
+        "Observations in the window behind kvpressure_engine_kv_block_residency_seconds; "
+        "below 5 the percentiles are absent.",
+        (*ENGINE_LABELS, "event"),
         "",
         "engine",
     ),

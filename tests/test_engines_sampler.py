@@ -759,3 +759,37 @@ def test_issue17_model_cap_keeps_the_models_under_pressure(
         batch = collect(s)
     assert value(batch, "kvpressure_engine_models_dropped") == 1
     assert len([r for r in caplog.records if "cap of 32" in r.getMessage()]) == 2
+
+
+def _ttft_histogram(counts: tuple[int, int, int]) -> str:
+    """A vLLM TTFT histogram: ``counts`` observations <= 0.1 s, <= 1 s, <= +Inf (cumulative)."""
+    lab = 'model_name="m"'
+    a, b, c = counts
+    return (
+        "# TYPE vllm:time_to_first_token_seconds histogram\n"
+        f'vllm:time_to_first_token_seconds_bucket{{{lab},le="0.1"}} {a}\n'
+        f'vllm:time_to_first_token_seconds_bucket{{{lab},le="1.0"}} {b}\n'
+        f'vllm:time_to_first_token_seconds_bucket{{{lab},le="+Inf"}} {c}\n'
+        f"vllm:time_to_first_token_seconds_count{{{lab}}} {c}\n"
+        f"vllm:time_to_first_token_seconds_sum{{{lab}}} {0.05 * c}\n"
+        f"vllm:num_requests_running{{{lab}}} 1\n"
+    )
+
+
+def test_issue17_window_observation_count_is_exported_beside_the_quantiles(
+    stub: EngineStub, samplers: list[EngineSampler]
+) -> None:
+    s = sampler(samplers, stub.url, "vllm")
+    stub.serve("/metrics", _ttft_histogram((0, 0, 0)))
+    collect(s)
+    stub.serve("/metrics", _ttft_histogram((2, 3, 3)))  # 3 requests: too few for a quantile
+    batch = collect(s)
+    obs = "kvpressure_engine_latency_window_observations"
+    lat = "kvpressure_engine_latency_seconds"
+    assert value(batch, obs, phase="ttft", model="m") == 3
+    assert value(batch, lat, phase="ttft", percentile="p50") is None  # absent, and now why
+    stub.serve("/metrics", _ttft_histogram((9, 10, 10)))
+    batch = collect(s)
+    assert value(batch, obs, phase="ttft", model="m") == 10
+    assert value(batch, lat, phase="ttft", percentile="p50") is not None
+    assert_catalogued(batch)

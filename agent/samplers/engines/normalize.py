@@ -60,7 +60,9 @@ deltas of the series that combine into one output group, and emits the windowed
 quantiles ``Rule.quantiles`` as gauge samples with a ``percentile`` label (``p50``,
 ``p95``, ``p99``; not ``quantile``, which Prometheus reserves for summaries). Resets and
 sparse windows are handled there (no quantile with fewer than ``min_count`` observations
-in the window).
+in the window). Beside the quantiles, the number of observations in the window is emitted
+(:func:`window_observations_name`, e.g. ``kvpressure_engine_latency_window_observations``),
+also when it is below ``min_count``: an absent quantile then says why.
 
 Window ratios (:class:`WindowRatio`): a ratio of two of the mapping's own re-exported
 counters over the last window (vLLM's prefix-cache hit ratio), emitted only where the
@@ -970,6 +972,10 @@ class Normalizer:
             group_deltas.setdefault((model, extra), []).append(window.window(now))
         for (model, extra), deltas in group_deltas.items():
             delta = sum_windows(deltas)
+            if delta is not None:
+                # beside each quantile, how many observations its window holds: a missing
+                # quantile is then "too few observations", not "no data"
+                self._emit(out, window_observations_name(rule.canonical), model, delta.count, extra)
             for q in rule.quantiles:
                 value = window_quantile(delta, q, rule.min_count)
                 if value is not None:
@@ -1129,6 +1135,20 @@ class Normalizer:
 
 
 @functools.lru_cache(maxsize=1024)
+def window_observations_name(canonical: str) -> str:
+    """The catalogue gauge counting the observations behind a windowed-quantile gauge.
+
+    Args:
+        canonical: a histogram rule's canonical name, e.g.
+            ``kvpressure_engine_latency_seconds``.
+
+    Returns:
+        ``canonical`` without its ``_seconds`` unit, plus ``_window_observations``, e.g.
+        ``kvpressure_engine_latency_window_observations``.
+    """
+    return canonical.removesuffix("_seconds") + "_window_observations"
+
+
 def parse_source(source: str) -> tuple[str, LabelPairs]:
     """Split a rule source into its metric name and label filter.
 
