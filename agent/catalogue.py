@@ -691,6 +691,17 @@ _ALL: tuple[Metric, ...] = (
         "engine",
     ),
     _m(
+        "kvpressure_engine_counters_withheld",
+        "gauge",
+        "1",
+        "Per-model traffic counters (completed requests, prompt/generation tokens, request "
+        "durations) not exported in the last scrape: 0 for a model whose other traffic "
+        "counters moved, so the engine does not count them at that level (not zero traffic).",
+        ("engine", "instance"),
+        "",
+        "engine",
+    ),
+    _m(
         "kvpressure_engine_kv_cache_usage_ratio",
         "gauge",
         "ratio",

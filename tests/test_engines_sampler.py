@@ -793,3 +793,36 @@ def test_issue17_window_observation_count_is_exported_beside_the_quantiles(
     assert value(batch, obs, phase="ttft", model="m") == 10
     assert value(batch, lat, phase="ttft", percentile="p50") is not None
     assert_catalogued(batch)
+
+
+def test_issue17_a_counter_the_engine_never_counts_per_model_is_absent_not_zero(
+    stub: EngineStub, samplers: list[EngineSampler]
+) -> None:
+    def triton(n: int) -> str:
+        rows = []
+        for model, success, request_us, compute_us in (
+            ("ensemble", n, 900_000 * n, 0),  # the ensemble has no compute of its own
+            ("tensorrt_llm", n, 800_000 * n, 700_000 * n),
+            ("idle_model", 0, 0, 0),  # no traffic: its zeros are true
+        ):
+            lab = f'model="{model}",version="1"'
+            rows += [
+                f"nv_inference_request_success{{{lab}}} {success}",
+                f"nv_inference_request_duration_us{{{lab}}} {request_us}",
+                f"nv_inference_compute_infer_duration_us{{{lab}}} {compute_us}",
+            ]
+        return "\n".join(rows) + "\n"
+
+    stub.serve("/metrics", triton(10))
+    s = sampler(samplers, stub.url, "triton")
+    collect(s)
+    stub.serve("/metrics", triton(12))
+    batch = collect(s)
+    dur = "kvpressure_engine_request_duration_seconds_total"
+    assert value(batch, dur, model="ensemble", phase="compute") is None  # was 0.0
+    assert value(batch, dur, model="ensemble", phase="request") == pytest.approx(10.8)
+    assert value(batch, dur, model="tensorrt_llm", phase="compute") == pytest.approx(8.4)
+    assert value(batch, dur, model="idle_model", phase="compute") == 0
+    assert value(batch, "kvpressure_engine_requests_completed_total", model="idle_model") == 0
+    assert value(batch, "kvpressure_engine_counters_withheld") == 1
+    assert_catalogued(batch)

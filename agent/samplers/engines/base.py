@@ -12,7 +12,8 @@ the type's mapping (:mod:`~agent.samplers.engines.normalize`) and runs the type'
   (cumulative), ``kvpressure_engine_restarts_total``,
   ``kvpressure_engine_series_merged_total{reason}`` (cumulative: ``duplicate`` repeated
   series dropped, ``per_process`` rows collapsed), and, once normalized,
-  ``kvpressure_engine_models_dropped`` (models over the cap in the last scrape);
+  ``kvpressure_engine_models_dropped`` (models over the cap in the last scrape) and
+  ``kvpressure_engine_counters_withheld`` (per-model counters the engine does not count);
 * ``kvpressure_engine_info{engine,instance,type,model}`` (``type="unknown"`` until known).
 
 An engine that is down is data, not a sampler failure: :meth:`EngineSampler.collect` does
@@ -199,6 +200,7 @@ class EngineSampler(Sampler):
         self._parse_errors = 0
         self._merged = dict.fromkeys((MERGE_DUPLICATE, MERGE_PER_PROCESS), 0)
         self._models_dropped: int | None = None
+        self._withheld: int | None = None
         self._models: list[str] = []
         self._failing = ""
         if engine_type != AUTO:
@@ -280,6 +282,7 @@ class EngineSampler(Sampler):
         for reason, count in self._merged.items():
             batch.add("kvpressure_engine_series_merged_total", count, reason=reason, **labels)
         batch.add("kvpressure_engine_models_dropped", self._models_dropped, **labels)
+        batch.add("kvpressure_engine_counters_withheld", self._withheld, **labels)
         models: list[str | None] = list(self._models) or [None]
         for model in models:
             batch.add(
@@ -306,6 +309,7 @@ class EngineSampler(Sampler):
         for reason, count in scrape.merged.items():
             self._merged[reason] = self._merged.get(reason, 0) + count
         self._models_dropped = scrape.models_dropped
+        self._withheld = scrape.withheld
         if scrape.restarted:
             log.info(
                 "engine %s (%s): restart detected (counter reset or new process start time)",

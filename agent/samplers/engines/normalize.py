@@ -64,6 +64,10 @@ in the window). Beside the quantiles, the number of observations in the window i
 (:func:`window_observations_name`, e.g. ``kvpressure_engine_latency_window_observations``),
 also when it is below ``min_count``: an absent quantile then says why.
 
+Counters the engine never increments for a model (:data:`TRAFFIC_COUNTERS` still 0 while
+another of them moved for that model) are withheld, never exported as zero traffic (issue
+17, kind 6).
+
 Window ratios (:class:`WindowRatio`): a ratio of two of the mapping's own re-exported
 counters over the last window (vLLM's prefix-cache hit ratio), emitted only where the
 engine's own gauge for it is absent.
@@ -550,6 +554,8 @@ class NormalizedScrape:
             (``duplicate``: a repeated series; ``per_process``: a row differing only by
             ``pid``); see :class:`MetricIndex`.
         models_dropped: models over ``max_models`` whose samples were dropped this scrape.
+        withheld: per-model traffic counters (:data:`TRAFFIC_COUNTERS`) not exported this
+            scrape because they stay 0 for a model whose other traffic counters moved.
     """
 
     samples: list[Sample] = field(default_factory=list)
@@ -561,6 +567,7 @@ class NormalizedScrape:
     restarted: bool = False
     merged: dict[str, int] = field(default_factory=dict)
     models_dropped: int = 0
+    withheld: int = 0
 
     def has(self, canonical: str, model: str | None = None) -> bool:
         """True when ``canonical`` was emitted for ``model`` (any model when ``None``)."""
@@ -780,8 +787,25 @@ class Normalizer:
             if p.model is not None and p.model not in admitted:
                 continue
             groups.setdefault((p.canonical, p.model, p.extra), []).append(p)
-        for (canonical, model, extra), items in groups.items():
-            self._emit(out, canonical, model, _combine(items), extra)
+        combined = {key: _combine(items) for key, items in groups.items()}
+        served = {m for (c, m, _), v in combined.items() if c in TRAFFIC_COUNTERS and v > 0}
+        for (canonical, model, extra), value in combined.items():
+            if canonical in TRAFFIC_COUNTERS and value == 0 and model in served:
+                # the model served requests by its other counters, yet this one never moved:
+                # the engine does not count it at this level; absent, not "zero traffic"
+                out.withheld += 1
+                self._log(
+                    f"withheld:{canonical}:{model}",
+                    logging.INFO,
+                    "%s (%s): %s stays 0 for model %r while its other traffic counters move; "
+                    "the engine does not count it per model: not exported",
+                    self.engine,
+                    self.instance,
+                    canonical,
+                    model,
+                )
+                continue
+            self._emit(out, canonical, model, value, extra)
 
         for rule, used, buckets, sums in histograms:
             restarted = (
@@ -1218,6 +1242,19 @@ def _extra_labels(rule: Rule, labels: Mapping[str, str]) -> LabelPairs | None:
         kept.append((dst, value))
     return tuple(kept)
 
+
+TRAFFIC_COUNTERS: Final = frozenset(
+    {
+        "kvpressure_engine_requests_completed_total",
+        "kvpressure_engine_prompt_tokens_total",
+        "kvpressure_engine_generation_tokens_total",
+        "kvpressure_engine_request_duration_seconds_total",
+    }
+)
+"""Counters every served request moves. One that is still 0 for a model while another of
+these is above 0 for the same model is not counted by the engine at that level (Triton's
+``ensemble`` model has request counts but no compute time): it is withheld, never exported
+as "zero traffic". When none moved, the zeros are real (an idle model) and exported."""
 
 PRESSURE_ORDER: Final = (
     "kvpressure_engine_kv_cache_usage_ratio",
