@@ -572,6 +572,17 @@ _ALL: tuple[Metric, ...] = (
         "gpu",
     ),
     _m(
+        "kvpressure_gpu_engine_disagreement",
+        "gauge",
+        "1",
+        "1 while an engine's own GPU reading (Triton nv_gpu_memory_*) disagrees with NVML for "
+        "the same GPU uuid (total: more than 1 %; used: more than 5 % of the total and 1 GiB), "
+        "else 0; NVML's value is the one exported. signal=memory_total|memory_used.",
+        (*GPU_LABELS, "engine", "signal"),
+        "",
+        "gpu",
+    ),
+    _m(
         "kvpressure_gpu_unified_memory_available_bytes",
         "gauge",
         "bytes",
@@ -687,6 +698,26 @@ _ALL: tuple[Metric, ...] = (
         "dropped; the kept ones are those under the most pressure (KV usage, running, "
         "waiting).",
         ("engine", "instance"),
+        "",
+        "engine",
+    ),
+    _m(
+        "kvpressure_engine_gpu_memory_used_bytes",
+        "gauge",
+        "bytes",
+        "GPU memory used as the engine itself reports it (Triton nv_gpu_memory_used_bytes), "
+        "by GPU uuid; kvpressure_gpu_memory_used_bytes (NVML) is the reference.",
+        ("engine", "instance", "uuid"),
+        "",
+        "engine",
+    ),
+    _m(
+        "kvpressure_engine_gpu_memory_total_bytes",
+        "gauge",
+        "bytes",
+        "GPU memory total as the engine itself reports it (Triton nv_gpu_memory_total_bytes), "
+        "by GPU uuid; kvpressure_gpu_memory_total_bytes (NVML) is the reference.",
+        ("engine", "instance", "uuid"),
         "",
         "engine",
     ),

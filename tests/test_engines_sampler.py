@@ -826,3 +826,19 @@ def test_issue17_a_counter_the_engine_never_counts_per_model_is_absent_not_zero(
     assert value(batch, "kvpressure_engine_requests_completed_total", model="idle_model") == 0
     assert value(batch, "kvpressure_engine_counters_withheld") == 1
     assert_catalogued(batch)
+
+
+def test_issue17_triton_gpu_view_is_kept_as_the_engines_own(
+    stub: EngineStub, samplers: list[EngineSampler]
+) -> None:
+    uuid = "GPU-5eed0200-0000-4000-8000-000000000000"
+    stub.serve(
+        "/metrics",
+        f'nv_gpu_memory_used_bytes{{gpu_uuid="{uuid}"}} 9.2e10\n'
+        f'nv_gpu_memory_total_bytes{{gpu_uuid="{uuid}"}} 1.5e11\n'
+        'nv_inference_request_success{model="tensorrt_llm",version="1"} 3\n',
+    )
+    batch = collect(sampler(samplers, stub.url, "triton"))
+    assert value(batch, "kvpressure_engine_gpu_memory_used_bytes", uuid=uuid) == 9.2e10
+    assert value(batch, "kvpressure_engine_gpu_memory_total_bytes", uuid=uuid) == 1.5e11
+    assert_catalogued(batch)

@@ -898,3 +898,27 @@ def test_issue17_a_discrete_gpu_on_a_big_host_is_not_unified(tmp_path):
     assert dict(info.labels)["unified_memory"] == "false"
     assert get(b, "kvpressure_gpu_memory_used_bytes") == 87321 * MIB
     assert get(b, "kvpressure_gpu_unified_memory_available_bytes") is None
+
+
+# ---- issue 17, kind 6: an engine that disagrees with NVML is flagged, NVML wins ------------
+def test_issue17_engine_gpu_view_disagreeing_with_nvml_is_flagged():
+    eng = Engines()
+    s, _fake, _clock = make("h200", state_view=eng.view)
+    uuid = "GPU-5eed0200-0000-4000-8000-000000000000"
+    nvml_v1_used = (87321 + 700) * MIB  # what the engine's own NVML v1 call calls used
+
+    def engine_view(engine, used, total):
+        lab = make_labels({"engine": engine, "instance": f"{engine}:8002", "uuid": uuid})
+        eng.series.setdefault("kvpressure_engine_gpu_memory_used_bytes", {})[lab] = used
+        eng.series.setdefault("kvpressure_engine_gpu_memory_total_bytes", {})[lab] = total
+
+    engine_view("triton-a", nvml_v1_used + 100 * MIB, 143771 * MIB)  # agrees (read later)
+    engine_view("triton-b", 20 * GIB, 80 * GIB)  # another GPU's figures: disagrees
+    b = collect(s)
+    flag = "kvpressure_gpu_engine_disagreement"
+    assert get(b, flag, engine="triton-a", signal="memory_used") == 0
+    assert get(b, flag, engine="triton-a", signal="memory_total") == 0
+    assert get(b, flag, engine="triton-b", signal="memory_used") == 1
+    assert get(b, flag, engine="triton-b", signal="memory_total") == 1
+    assert get(b, "kvpressure_gpu_memory_used_bytes") == 87321 * MIB  # NVML's, unchanged
+    assert_catalogued_gpu(b)

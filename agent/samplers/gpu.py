@@ -217,6 +217,14 @@ RUNNING: Final = "kvpressure_engine_requests_running"
 WAITING: Final = "kvpressure_engine_requests_waiting"
 PROMPT_TOKENS: Final = "kvpressure_engine_prompt_tokens_total"
 GENERATION_TOKENS: Final = "kvpressure_engine_generation_tokens_total"
+ENGINE_GPU_VIEWS: Final = {
+    "memory_total": "kvpressure_engine_gpu_memory_total_bytes",
+    "memory_used": "kvpressure_engine_gpu_memory_used_bytes",
+}
+"""Engine metrics that restate an NVML reading (Triton's nv_gpu_*), by signal."""
+DISAGREE_TOTAL_SHARE: Final = 0.01
+DISAGREE_USED_SHARE: Final = 0.05
+DISAGREE_USED_MIN_BYTES: Final = float(2**30)
 
 StateView = Callable[[str], dict[Labels, float]]
 """``AgentState.latest``: metric name → {labels: current value}."""
@@ -636,6 +644,8 @@ class _Gpu:
 
 @dataclass(slots=True)
 class _Engines:
+    gpu_views: dict[tuple[str, str], dict[str, float]] = field(default_factory=dict)
+    """(uuid, signal) -> engine -> the engine's own GPU reading (bytes)."""
     running: dict[str, float] = field(default_factory=dict)
     waiting: dict[str, float] = field(default_factory=dict)
     tokens: dict[str, float | None] = field(default_factory=dict)
@@ -1480,6 +1490,11 @@ class GpuSampler(Sampler):
         view = self._state_view
         if view is None:
             return out
+        for signal, metric in ENGINE_GPU_VIEWS.items():
+            for labels, value in view(metric).items():
+                engine, uuid = _label(labels, "engine"), _label(labels, "uuid")
+                if engine is not None and uuid is not None:
+                    out.gpu_views.setdefault((uuid, signal), {})[engine] = value
         for metric, target in ((RUNNING, out.running), (WAITING, out.waiting)):
             for labels, value in view(metric).items():
                 engine = _label(labels, "engine")
@@ -1609,6 +1624,8 @@ class GpuSampler(Sampler):
             out.extend(self._static_samples(leaf))
             if lr.memory is not None:
                 total, used, free, reserved = lr.memory
+                if engines.gpu_views and leaf.mig is None:
+                    self._disagreement(out, leaf, lr.memory, engines)
                 out.append(Sample("kvpressure_gpu_memory_total_bytes", total, lab))
                 out.append(Sample("kvpressure_gpu_memory_used_bytes", used, lab))
                 out.append(Sample("kvpressure_gpu_memory_free_bytes", free, lab))
@@ -1676,6 +1693,44 @@ class GpuSampler(Sampler):
                     Sample("kvpressure_gpu_xid_errors_total", float(n), g.leaf.lab("xid", str(xid)))
                 )
         batch.source_ok(f"gpu{g.index}")
+
+    def _disagreement(
+        self,
+        out: list[Sample],
+        leaf: _Leaf,
+        memory: tuple[float, float, float, float | None],
+        engines: _Engines,
+    ) -> None:
+        """Flag engines whose own GPU memory reading disagrees with NVML's (NVML wins).
+
+        ``kvpressure_gpu_engine_disagreement{engine,signal}`` is 1 when the engine's total
+        differs from NVML's by more than :data:`DISAGREE_TOTAL_SHARE` of it, or its used
+        from NVML's used + reserved (what v1 ``nvmlDeviceGetMemoryInfo``, and so the engine,
+        calls used) by more than :data:`DISAGREE_USED_SHARE` of the total and
+        :data:`DISAGREE_USED_MIN_BYTES` (the two are read at different moments); else 0.
+        """
+        total, used, _free, reserved = memory
+        nvml = {"memory_total": total, "memory_used": used + (reserved or 0.0)}
+        for signal, reference in nvml.items():
+            for engine, value in sorted(engines.gpu_views.get((leaf.uuid, signal), {}).items()):
+                if signal == "memory_total":
+                    off = abs(value - reference) > DISAGREE_TOTAL_SHARE * total
+                else:
+                    limit = max(DISAGREE_USED_SHARE * total, DISAGREE_USED_MIN_BYTES)
+                    off = abs(value - reference) > limit
+                if off:
+                    self._log_once(
+                        f"disagree:{leaf.uuid}:{engine}:{signal}",
+                        logging.WARNING,
+                        "GPU %s: engine %s reports %s %.0f bytes, NVML %.0f; NVML's is exported",
+                        leaf.source,
+                        engine,
+                        signal,
+                        value,
+                        reference,
+                    )
+                labels = make_labels({**dict(leaf.labels), "engine": engine, "signal": signal})
+                out.append(Sample("kvpressure_gpu_engine_disagreement", float(off), labels))
 
     def _static_samples(self, leaf: _Leaf) -> tuple[Sample, ...]:
         """``gpu_up 1`` and ``gpu_info``, rebuilt only when the identity changes."""
