@@ -93,7 +93,9 @@ class GpuConfig(_Model):
 
     Attributes:
         binding: ``nvml`` (the real library from nvidia-ml-py) or ``fake:<profile>`` (a
-            recorded-behaviour fake for tests and demos, e.g. ``fake:h200``).
+            recorded-behaviour fake for tests and demos, e.g. ``fake:h200``), where the
+            profile is a bundled name or a profile file's path
+            (``fake:/path/profile.yaml``, e.g. one written by ``kvpressure gpu record``).
         idle_utilization_below: a GPU whose utilization ratio is below this while its
             engine has requests waiting is stalled ``idle_with_queue``.
         memory_bound_bandwidth_above: bandwidth utilization ratio above which, with SM
@@ -102,11 +104,23 @@ class GpuConfig(_Model):
         data_movement_window_s: window for bytes-per-token and tokens-per-byte.
     """
 
-    binding: str = Field(default="nvml", pattern=r"^(nvml|fake:[a-z0-9_.-]+)$")
+    binding: str = Field(default="nvml", pattern=r"^(nvml|fake:.+)$")
     idle_utilization_below: float = Field(default=0.10, ge=0, le=1)
     memory_bound_bandwidth_above: float = Field(default=0.60, ge=0, le=1)
     memory_bound_sm_below: float = Field(default=0.30, ge=0, le=1)
     data_movement_window_s: Seconds = Field(default=30.0, ge=1, le=3600)
+
+    @field_validator("binding")
+    @classmethod
+    def _check_binding(cls, v: str) -> str:
+        if v.startswith("fake:"):
+            from agent.samplers.fake_nvml import load_profile
+
+            try:
+                load_profile(v.removeprefix("fake:"))
+            except (OSError, ValueError, yaml.YAMLError) as exc:
+                raise ValueError(str(exc)) from None
+        return v
 
 
 class EngineConfig(_Model):

@@ -922,3 +922,74 @@ def test_issue17_engine_gpu_view_disagreeing_with_nvml_is_flagged():
     assert get(b, flag, engine="triton-b", signal="memory_total") == 1
     assert get(b, "kvpressure_gpu_memory_used_bytes") == 87321 * MIB  # NVML's, unchanged
     assert_catalogued_gpu(b)
+
+
+# ---- fake NVML from a file, and `kvpressure gpu record` --------------------------------------
+def _static(batch):
+    """The samples a recording must reproduce exactly (rates are measured, so left out)."""
+    keep = (
+        "kvpressure_gpu_up",
+        "kvpressure_gpu_info",
+        "kvpressure_gpu_memory_",
+        "kvpressure_gpu_utilization_ratio",
+        "kvpressure_gpu_power_watts",
+        "kvpressure_gpu_temperature_celsius",
+        "kvpressure_gpu_clock_event_active",
+        "kvpressure_gpu_process_memory_bytes",
+        "kvpressure_gpu_values_dropped_total",
+    )
+    return sorted((x.name, x.labels, x.value) for x in batch.samples if x.name.startswith(keep))
+
+
+@pytest.mark.parametrize("profile", ["h200", "a100-80gb-mig", "gb10", "h100-sxm"])
+def test_gpu_record_round_trip_through_a_profile_file(tmp_path, profile):
+    from agent.cli import main
+
+    path = tmp_path / f"{profile}.yaml"
+    assert main(["gpu", "record", str(path), "--binding", f"fake:{profile}", "--seconds", "0"]) == 0
+    outputs = []
+    for binding in (f"fake:{profile}", f"fake:{path}"):
+        s = GpuSampler(binding, interval_s=1.0, timeout_s=10.0, gpu_timeout_s=0)
+        try:
+            collect(s)
+            time.sleep(0.01)
+            outputs.append((collect(s), sources(collect(s))))
+        finally:
+            s.close()
+    (orig, orig_src), (replay, replay_src) = outputs
+    assert _static(replay) == _static(orig)
+    assert replay_src == orig_src  # unsupported fields and their reasons too
+
+
+def test_gpu_record_keeps_nvml_errors_and_odd_rows(tmp_path):
+    from agent.samplers.fake_nvml.record import record
+
+    spec = load_profile("h200")
+    spec["device"] = {**spec["device"], "errors": {"nvmlDeviceGetPowerUsage": 4}}  # NO_PERMISSION
+    fake = FakeNvml(spec)
+    fake.set(0, processes=[(4294967295, 1 * GIB), (4242, 2 * GIB), (4242, 2 * GIB)])
+    profile = record(nb.NvmlBinding(fake, "fake:h200"), seconds=0, sleep=lambda _s: None)
+    dev = profile["device"]
+    assert dev["errors"] == {"nvmlDeviceGetPowerUsage": 4}
+    assert dev["power_w"] is None
+    assert [p["pid"] for p in dev["processes"]] == [4294967295, 4242, 4242]  # as NVML said
+    replay = GpuSampler(nb.NvmlBinding(FakeNvml(profile), "fake:file"), timeout_s=10.0)
+    b = collect(replay)
+    assert sources(b)["gpu0.power"] == ("unsupported", "no_permission")
+    assert _dropped(b, "process_pid_invalid") == 1 and _dropped(b, "process_duplicate") == 1
+
+
+def test_config_accepts_a_fake_profile_file_and_rejects_a_missing_one(tmp_path):
+    from agent.config import ConfigError, load
+
+    path = tmp_path / "gpu.yaml"
+    path.write_text(
+        (Path(__file__).parents[1] / "agent/samplers/fake_nvml/profiles/gb10.yaml").read_text()
+    )
+    good = tmp_path / "good.yaml"
+    good.write_text(f"gpu: {{binding: 'fake:{path}'}}\n")
+    assert load(str(good)).gpu.binding == f"fake:{path}"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(f"gpu: {{binding: 'fake:{tmp_path}/missing.yaml'}}\n")
+    with pytest.raises(ConfigError):
+        load(str(bad))

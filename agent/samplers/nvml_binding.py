@@ -605,7 +605,8 @@ def bind(spec: str = "nvml", **fake_options: Any) -> NvmlBinding:
 
     Args:
         spec: ``"nvml"`` for the real library, or ``"fake:<profile>"`` for a fake loaded from
-            ``agent/samplers/fake_nvml/profiles/<profile>.yaml`` (e.g. ``fake:h200``).
+            ``agent/samplers/fake_nvml/profiles/<profile>.yaml`` (e.g. ``fake:h200``) or
+            from a profile file (``fake:/path/profile.yaml``).
         **fake_options: passed to :class:`agent.samplers.fake_nvml.FakeNvml` (``clock``,
             ``gpus``, fault overrides); rejected for ``"nvml"``.
 

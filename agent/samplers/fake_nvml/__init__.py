@@ -8,7 +8,9 @@ same code. It implements only the functions the GPU sampler uses.
 
 Profiles are YAML files in ``profiles/`` (package data), one per simulated machine, each with
 provenance notes saying where its values come from. Select one with ``gpu.binding:
-fake:<profile>``. Available: ``h100-sxm`` (8 GPUs), ``h200``, ``a100-80gb-mig`` (two MIG 3g.40gb
+fake:<profile>``, or a profile file with ``fake:/path/profile.yaml`` (``kvpressure gpu
+record FILE`` writes one from a real GPU's NVML answers, errors included). Available:
+``h100-sxm`` (8 GPUs), ``h200``, ``a100-80gb-mig`` (two MIG 3g.40gb
 instances, case 07), ``gb10`` (memory unsupported, case 01), ``lost-after-n`` (case 05) and
 ``driver-mismatch-heals`` (case 06).
 
@@ -26,6 +28,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from importlib import resources
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -54,18 +57,38 @@ def list_profiles() -> list[str]:
     return sorted(p.name.removesuffix(".yaml") for p in root.iterdir() if p.name.endswith(".yaml"))
 
 
+def is_profile_path(name: str) -> bool:
+    """True when ``name`` names a profile file rather than a bundled profile.
+
+    A name with a ``/`` or ending in ``.yaml``/``.yml`` is a path (``fake:/tmp/gpu.yaml``,
+    ``fake:./gpu.yaml``); anything else is a bundled profile's name.
+    """
+    return "/" in name or name.endswith((".yaml", ".yml"))
+
+
 def load_profile(name: str) -> dict[str, Any]:
-    """Load the bundled profile ``name`` (``profiles/<name>.yaml``).
+    """Load a profile: bundled ``profiles/<name>.yaml``, or the file at path ``name``.
+
+    Args:
+        name: a bundled profile's name (``h200``) or a profile file's path
+            (:func:`is_profile_path`), e.g. one ``kvpressure gpu record`` wrote.
 
     Raises:
-        FileNotFoundError: no such profile; the message lists the available ones.
+        FileNotFoundError: no such profile (the message lists the bundled ones) or file.
+        ValueError: the file is not a YAML mapping.
+        yaml.YAMLError: the file is not YAML.
     """
-    path = resources.files(__name__).joinpath("profiles", f"{name}.yaml")
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"no fake NVML profile {name!r}; available: {', '.join(list_profiles())}"
-        )
-    data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    if is_profile_path(name):
+        text = Path(name).expanduser().read_text(encoding="utf-8")
+    else:
+        path = resources.files(__name__).joinpath("profiles", f"{name}.yaml")
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"no fake NVML profile {name!r}; available: {', '.join(list_profiles())} "
+                "(or a profile file's path)"
+            )
+        text = path.read_text(encoding="utf-8")
+    data = yaml.safe_load(text)
     if not isinstance(data, dict):
         raise ValueError(f"fake NVML profile {name!r} is not a mapping")
     return data
@@ -183,6 +206,7 @@ class FakeDevice:
     processes: list[tuple[int, int | None, str]] = field(default_factory=list)
     graphics_processes: list[tuple[int, int | None, str]] = field(default_factory=list)
     not_supported: set[str] = field(default_factory=set)
+    errors: dict[str, int] = field(default_factory=dict)
     mig_capable: bool = False
     mig_max: int = 7
     migs: list[FakeDevice] = field(default_factory=list)
@@ -352,6 +376,7 @@ class FakeNvml:
             nvlink_links=None if nvl is None else int(nvl.get("links", 0)),
             xid_events=bool(spec.get("xid_events", True)),
             not_supported=set(spec.get("not_supported") or ()),
+            errors={str(k): int(v) for k, v in dict(spec.get("errors") or {}).items()},
             mig_capable=bool(spec.get("mig_capable", False)),
         )
         if nvl and dev.nvlink_links:
@@ -561,6 +586,9 @@ class FakeNvml:
             time.sleep(hang)
         if fn in handle.not_supported:
             raise _err(nb.NVML_ERROR_NOT_SUPPORTED)
+        code = handle.errors.get(fn)
+        if code is not None:
+            raise _err(code)  # a recorded answer such as NO_PERMISSION
         return handle
 
     def _lookup(self, fn: str, dev: FakeDevice) -> FakeDevice:
