@@ -1199,7 +1199,11 @@ class GpuSampler(Sampler):
         r = _LeafReading(leaf)
         mem = self._opt(leaf, r, "memory", now, nv.memory_info, h)
         host_total = self._host_memory_total(now)
-        if mem is not None and is_unified_total(leaf.name, float(mem.total), host_total):
+        if (
+            mem is not None
+            and leaf.mig is None  # a MIG slice is a share of the GPU's own memory
+            and is_unified_total(leaf.name, float(mem.total), host_total)
+        ):
             if not leaf.host_memory:
                 log.warning(
                     "GPU %s (%s): NVML reports %.1f GiB of memory, the system's (MemTotal "

@@ -1075,7 +1075,8 @@ class Normalizer:
         Models are ranked by KV-cache usage, then requests running, then requests waiting
         (the scrape's own values, :data:`PRESSURE_ORDER`); ties go to models admitted
         before, then to the name. Dropped models are counted in ``out.models_dropped`` and
-        logged once per change of the dropped set, with counts.
+        logged once per change of the dropped set, with counts (a warning when their number
+        changes, info when only which models changes).
         """
         pressure = _pressure(pending)
         ordered = sorted(
@@ -1088,7 +1089,11 @@ class Normalizer:
         if dropped != self._dropped:
             if dropped:
                 shown = ", ".join(repr(m) for m in sorted(dropped)[:5])
-                log.warning(
+                # a new count warns; the same count with other models (pressure moving
+                # between models at the boundary) is logged at info
+                level = logging.WARNING if len(dropped) != len(self._dropped) else logging.INFO
+                log.log(
+                    level,
                     "%s (%s): %d models, more than the cap of %d; kept the %d under the most "
                     "pressure (KV usage, running, waiting), dropped %d: %s%s",
                     self.engine,
