@@ -595,3 +595,29 @@ def test_issue17_sentinel_and_non_finite_fields_are_dropped_alone(
     assert cnt[("kvpressure_otlp_spans_received_total", "record")] == 6
     warned = [r for r in caplog.records if "unusable value" in r.getMessage()]
     assert len(warned) == len(dropped)  # once per attribute, not per span
+
+
+def test_issue17_a_phase_longer_than_the_request_is_dropped_alone(
+    agent: Agent, stream: RequestStream
+) -> None:
+    impossible = span(
+        "llm_request",
+        {
+            "gen_ai.latency.e2e": 1.8446744073709552e10,  # unsigned -1 ns read as seconds
+            "gen_ai.latency.time_to_first_token": 0.4,
+            "gen_ai.latency.time_in_queue": 7.0,  # longer than the whole 2 s request
+            "gen_ai.usage.prompt_tokens": 10,
+        },
+        dur=2.0,
+    )
+    r = httpx.post(
+        agent.url, content=export(impossible).SerializeToString(), headers={"Content-Type": PB}
+    )
+    assert ExportTraceServiceResponse.FromString(r.content).partial_success.rejected_spans == 0
+    (rec,) = stream.drain("test")
+    assert rec.e2e_s == pytest.approx(2.0)  # the span's own duration
+    assert rec.ttft_s == pytest.approx(0.4) and rec.queue_s is None
+    assert rec.input_tokens == 10
+    c = counters(agent.receiver)
+    assert c[("kvpressure_otlp_span_attributes_dropped_total", "gen_ai.latency.e2e")] == 1
+    assert c[("kvpressure_otlp_span_attributes_dropped_total", "gen_ai.latency.time_in_queue")] == 1

@@ -29,7 +29,8 @@ bounded to :data:`~agent.requests.metrics.MAX_ENGINES` values.
 
 One bad field never loses the record (issue 17, kind 3): a timing or token attribute that
 is present but unusable (TensorRT-LLM's ``-1`` "no timing" sentinel, any negative value,
-NaN, infinity, not a number) is dropped alone, the record keeps the span's valid fields
+NaN, infinity, not a number, or a phase longer than the whole request: :func:`_within`)
+is dropped alone, the record keeps the span's valid fields
 (a dropped end-to-end time falls back to the span's duration), and the drop is counted
 per attribute in ``kvpressure_otlp_span_attributes_dropped_total{attribute}``.
 
@@ -282,6 +283,26 @@ def _rust_duration(attrs: Mapping[str, Any], key: str, dropped: list[str]) -> fl
     return float(m.group(1)) * _RUST_UNITS[m.group(2)]
 
 
+def _within(
+    value: float | None, key: str, limit: float, dropped: list[str], share: float = 0.01
+) -> float | None:
+    """``value`` unless it cannot be a part of a request lasting ``limit`` seconds.
+
+    A phase longer than the whole request (a TTFT or queue time above the end-to-end time,
+    an end-to-end time far above the span's own duration, e.g. an unsigned ``-1`` read as
+    1.8e19 ns) cannot be true: it is dropped (``key`` appended to ``dropped``). The
+    tolerance is ``share`` of ``limit`` plus 10 ms (clocks and rounding; 1 s more for
+    ``share`` >= 0.1, the end-to-end time against the span).
+    """
+    if value is None:
+        return None
+    slack = limit * share + (1.0 if share >= 0.1 else 0.01)
+    if value > limit + slack:
+        dropped.append(key)
+        return None
+    return value
+
+
 def _tokens(attrs: Mapping[str, Any], dropped: list[str], *keys: str) -> int | None:
     """The first of ``keys`` present with a usable token count (int, or integral string).
 
@@ -444,15 +465,23 @@ class OtlpReceiver:
             "span_id": _hex_id(span.span_id, 8, _ZERO_SPAN),
             "model": _text(attrs, "gen_ai.response.model", "gen_ai.request.model"),
         }
+        span_s = end - start
         if kind == "vllm":
-            e2e = _seconds(attrs, "gen_ai.latency.e2e", bad)
+            e2e = _within(
+                _seconds(attrs, "gen_ai.latency.e2e", bad), "gen_ai.latency.e2e", span_s, bad, 0.1
+            )
+            total = e2e if e2e is not None else span_s
+
+            def part(key: str) -> float | None:
+                return _within(_seconds(attrs, key, bad), key, total, bad)
+
             return RequestRecord(
                 engine=self._engine(service, attrs, "vllm"),
-                ttft_s=_seconds(attrs, "gen_ai.latency.time_to_first_token", bad),
-                e2e_s=e2e if e2e is not None else end - start,
-                queue_s=_seconds(attrs, "gen_ai.latency.time_in_queue", bad),
-                prefill_s=_seconds(attrs, "gen_ai.latency.time_in_model_prefill", bad),
-                decode_s=_seconds(attrs, "gen_ai.latency.time_in_model_decode", bad),
+                ttft_s=part("gen_ai.latency.time_to_first_token"),
+                e2e_s=total,
+                queue_s=part("gen_ai.latency.time_in_queue"),
+                prefill_s=part("gen_ai.latency.time_in_model_prefill"),
+                decode_s=part("gen_ai.latency.time_in_model_decode"),
                 input_tokens=_tokens(
                     attrs, bad, "gen_ai.usage.prompt_tokens", "gen_ai.usage.input_tokens"
                 ),
@@ -462,22 +491,27 @@ class OtlpReceiver:
                 **common,
             )
         if kind == "tgi":
-            total = _rust_duration(attrs, "total_time", bad)
+            tgi_total = _within(
+                _rust_duration(attrs, "total_time", bad), "total_time", span_s, bad, 0.1
+            )
+            total = tgi_total if tgi_total is not None else span_s
             return RequestRecord(
                 engine=self._engine(service, attrs, "tgi"),
-                e2e_s=total if total is not None else end - start,
-                queue_s=_rust_duration(attrs, "queue_time", bad),
+                e2e_s=total,
+                queue_s=_within(_rust_duration(attrs, "queue_time", bad), "queue_time", total, bad),
                 input_tokens=_tokens(attrs, bad, "prompt_tokens"),
                 output_tokens=_tokens(attrs, bad, "generated_tokens"),
                 **common,
             )
-        ttft = _seconds(attrs, "gen_ai.response.time_to_first_chunk", bad)
-        if ttft is None:
-            ttft = _seconds(attrs, "gen_ai.server.time_to_first_token", bad)
+        ttft = None
+        for key in ("gen_ai.response.time_to_first_chunk", "gen_ai.server.time_to_first_token"):
+            ttft = _within(_seconds(attrs, key, bad), key, span_s, bad)
+            if ttft is not None:
+                break
         return RequestRecord(
             engine=self._engine(service, attrs, "unknown"),
             ttft_s=ttft,
-            e2e_s=end - start,
+            e2e_s=span_s,
             input_tokens=_tokens(
                 attrs, bad, "gen_ai.usage.input_tokens", "gen_ai.usage.prompt_tokens"
             ),
