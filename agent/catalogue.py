@@ -566,7 +566,9 @@ _ALL: tuple[Metric, ...] = (
         "Impossible NVML values dropped, the rest of the sample kept: reason="
         "process_pid_invalid (PID 0, 4294967295 or above Linux's pid limit), "
         "process_duplicate (a PID listed twice by one call; one row kept), "
-        "process_memory_above_total (a process holding more than the device).",
+        "process_memory_above_total (a process holding more than the device), "
+        "memory_above_total (used, free or reserved above the total: the memory reading), "
+        "utilization_out_of_range (utilization outside 0-100 %).",
         (*GPU_LABELS, "reason"),
         "",
         "gpu",

@@ -993,3 +993,22 @@ def test_config_accepts_a_fake_profile_file_and_rejects_a_missing_one(tmp_path):
     bad.write_text(f"gpu: {{binding: 'fake:{tmp_path}/missing.yaml'}}\n")
     with pytest.raises(ConfigError):
         load(str(bad))
+
+
+def test_issue17_impossible_memory_and_utilization_readings_are_dropped_rest_kept(tmp_path):
+    s, fake, clock = make("h200", procfs_root=_procfs(tmp_path))
+    fake.set(0, memory_used=200 * GIB, utilization_gpu=255)  # used > the 140 GiB total
+    b = collect(s)
+    assert get(b, "kvpressure_gpu_memory_used_bytes") is None
+    assert get(b, "kvpressure_gpu_memory_total_bytes") is None
+    assert get(b, "kvpressure_gpu_utilization_ratio") is None
+    assert _dropped(b, "memory_above_total") == 1
+    assert _dropped(b, "utilization_out_of_range") == 1
+    assert get(b, "kvpressure_gpu_power_watts") == 434.0  # the rest is kept
+    assert _process_rows(b) == {"4242": 86016 * MIB}
+    fake.set(0, memory_used=80 * GIB, utilization_gpu=50)
+    clock.tick()
+    b = collect(s)
+    assert get(b, "kvpressure_gpu_memory_used_bytes") == 80 * GIB
+    assert get(b, "kvpressure_gpu_utilization_ratio") == 0.5
+    assert _dropped(b, "memory_above_total") == 1  # cumulative, nothing new

@@ -63,7 +63,9 @@ kind 2), in ``kvpressure_gpu_values_dropped_total{reason}``: a process PID outsi
 ``1..PID_MAX_LIMIT`` (real drivers list PID 0 and 4294967295) is ``process_pid_invalid``; a
 process holding more than the device's total (the host's MemTotal on unified memory) is
 ``process_memory_above_total``; a PID listed twice by one call is one process
-(``process_duplicate``, one row kept, never summed). Compute and graphics process lists are
+(``process_duplicate``, one row kept, never summed); a memory reading whose used, free or
+reserved exceeds its total is dropped whole (``memory_above_total``), a utilization outside
+0-100 % too (``utilization_out_of_range``). Compute and graphics process lists are
 both read and merged per PID (a process with both contexts is in both). A PID the agent's
 procfs lacks (the engine in another PID namespace) is mapped through the ``NSpid:`` lines of
 ``<procfs>/*/status`` when exactly one process has it.
@@ -198,7 +200,13 @@ PID_MAX_LIMIT: Final = 4_194_304
 NSPID_RESCAN_S: Final = 10.0
 """Seconds between scans of ``<procfs>/*/status`` ``NSpid:`` lines, done only when NVML lists
 a PID that the agent's procfs does not have."""
-DROP_REASONS: Final = ("process_pid_invalid", "process_duplicate", "process_memory_above_total")
+DROP_REASONS: Final = (
+    "process_pid_invalid",
+    "process_duplicate",
+    "process_memory_above_total",
+    "memory_above_total",
+    "utilization_out_of_range",
+)
 """``reason`` values of ``kvpressure_gpu_values_dropped_total``."""
 
 STALL_REASONS: Final = ("idle_with_queue", "memory_bound", "throttled")
@@ -477,7 +485,6 @@ class _Leaf:
     memory; used is derived from the processes."""
     dropped: Counter[str] = field(default_factory=Counter)
     """Impossible NVML values dropped on this device, by ``DROP_REASONS`` reason."""
-    processes_read: bool = False
     static: tuple[Sample, ...] = ()
     static_key: tuple[str, str, str] | None = None
     _lab: dict[tuple[str, str], Labels] = field(default_factory=dict)
@@ -1219,18 +1226,28 @@ class GpuSampler(Sampler):
         elif mem is not None:
             leaf.host_memory = False
             reserved = getattr(mem, "reserved", None)
-            r.memory = (
+            memory = (
                 float(mem.total),
                 float(mem.used),
                 float(mem.free),
                 None if reserved is None else float(reserved),
             )
+            total = memory[0]
+            if not all(v is None or 0 <= v <= total for v in memory[1:]):
+                # used, free or reserved above the total cannot be true: the whole reading
+                # is suspect (the four come from one struct), the rest of the GPU is kept
+                self._drop(leaf, "memory_above_total", f"{memory}")
+            else:
+                r.memory = memory
             if leaf.unified != "true":
                 leaf.unified = "false"
         util = self._opt(leaf, r, "utilization", now, nv.call, "nvmlDeviceGetUtilizationRates", h)
         if util is not None:
-            r.utilization = _ratio(util.gpu)
-            r.memory_activity = _ratio(util.memory)
+            if 0 <= util.gpu <= 100 and 0 <= util.memory <= 100:
+                r.utilization = _ratio(util.gpu)
+                r.memory_activity = _ratio(util.memory)
+            else:
+                self._drop(leaf, "utilization_out_of_range", f"gpu={util.gpu} memory={util.memory}")
         if physical:
             power = self._opt(leaf, r, "power", now, nv.call, "nvmlDeviceGetPowerUsage", h)
             r.power_w = None if power is None else float(power) / 1000.0
@@ -1262,7 +1279,6 @@ class GpuSampler(Sampler):
                 if pid not in self._proc_names:
                     self._proc_names[pid] = self._process_name(nvml_pid)
             leaf.processes = r.processes = found
-            leaf.processes_read = True
         return r
 
     def _clean_processes(
@@ -1295,32 +1311,32 @@ class GpuSampler(Sampler):
                 except (TypeError, ValueError):
                     pid = 0
                 if not 0 < pid <= PID_MAX_LIMIT:
-                    self._dropped(leaf, "process_pid_invalid", pid)
+                    self._drop(leaf, "process_pid_invalid", f"pid {pid}")
                     continue
                 raw = getattr(p, "usedGpuMemory", None)
                 used = None if raw is None else float(raw)
                 if used is not None and (
                     not math.isfinite(used) or used < 0 or (limit is not None and used > limit)
                 ):
-                    self._dropped(leaf, "process_memory_above_total", pid, used)
+                    self._drop(leaf, "process_memory_above_total", f"pid {pid}, {used:.0f} B")
                     continue
                 if pid in seen:
-                    self._dropped(leaf, "process_duplicate", pid)
+                    self._drop(leaf, "process_duplicate", f"pid {pid}")
                 seen.add(pid)
                 prev = rows.get(pid)
                 rows[pid] = used if prev is None else (prev if used is None else max(prev, used))
         return [(pid, used) for pid, used in rows.items() if used is not None]
 
-    def _dropped(self, leaf: _Leaf, reason: str, pid: int, used: float | None = None) -> None:
+    def _drop(self, leaf: _Leaf, reason: str, detail: str) -> None:
+        """Count an impossible NVML value dropped on ``leaf`` (one of :data:`DROP_REASONS`)."""
         leaf.dropped[reason] += 1
         self._log_once(
             f"{leaf.source}:{reason}",
             logging.WARNING,
-            "GPU %s: NVML process row dropped (%s): pid %d, %s bytes; the rest is kept",
+            "GPU %s: impossible NVML value dropped (%s): %s; the rest of the sample is kept",
             leaf.source,
             reason,
-            pid,
-            "?" if used is None else f"{used:.0f}",
+            detail,
         )
 
     def _local_pid(self, pid: int, now: float) -> int:
@@ -1670,15 +1686,15 @@ class GpuSampler(Sampler):
                     _meminfo(self._procfs).get("MemAvailable"),
                     lab,
                 )
-            if leaf.processes_read:
-                for reason in DROP_REASONS:
-                    out.append(
-                        Sample(
-                            "kvpressure_gpu_values_dropped_total",
-                            float(leaf.dropped[reason]),
-                            leaf.lab("reason", reason),
-                        )
+            # every device read carries its counters, 0 until something is dropped
+            for reason in DROP_REASONS:
+                out.append(
+                    Sample(
+                        "kvpressure_gpu_values_dropped_total",
+                        float(leaf.dropped[reason]),
+                        leaf.lab("reason", reason),
                     )
+                )
             for name, reason in lr.unsupported:
                 batch.source_unsupported(f"{leaf.source}.{name}", reason)
             stall_leaf = not (leaf.mig is None and g.mig_enabled)
