@@ -448,7 +448,8 @@ _ALL: tuple[Metric, ...] = (
         "kvpressure_gpu_memory_used_bytes",
         "gauge",
         "bytes",
-        "Device memory used (nvmlDeviceGetMemoryInfo_v2 used).",
+        "Device memory used (nvmlDeviceGetMemoryInfo_v2 used). On a unified-memory part whose "
+        "NVML total is the system's memory: the sum of its processes' memory instead.",
         GPU_LABELS,
         "hw.gpu.memory.usage",
         "gpu",
@@ -551,9 +552,45 @@ _ALL: tuple[Metric, ...] = (
         "kvpressure_gpu_process_memory_bytes",
         "gauge",
         "bytes",
-        "GPU memory held by a process (nvmlDeviceGetComputeRunningProcesses), joined to the "
-        "engine the agent knows at that PID.",
+        "GPU memory held by a process (nvmlDeviceGetComputeRunningProcesses and "
+        "nvmlDeviceGetGraphicsRunningProcesses, one row per PID), PID in the agent's PID "
+        "namespace (NSpid), joined to the engine the agent knows at that PID.",
         (*GPU_LABELS, "pid", "process", "engine"),
+        "",
+        "gpu",
+    ),
+    _m(
+        "kvpressure_gpu_values_dropped_total",
+        "counter",
+        "1",
+        "Impossible NVML values dropped, the rest of the sample kept: reason="
+        "process_pid_invalid (PID 0, 4294967295 or above Linux's pid limit), "
+        "process_duplicate (a PID listed twice by one call; one row kept), "
+        "process_memory_above_total (a process holding more than the device), "
+        "memory_above_total (used, free or reserved above the total: the memory reading), "
+        "utilization_out_of_range (utilization outside 0-100 %).",
+        (*GPU_LABELS, "reason"),
+        "",
+        "gpu",
+    ),
+    _m(
+        "kvpressure_gpu_engine_disagreement",
+        "gauge",
+        "1",
+        "1 while an engine's own GPU reading (Triton nv_gpu_memory_*) disagrees with NVML for "
+        "the same GPU uuid (total: more than 1 %; used: more than 5 % of the total and 1 GiB), "
+        "else 0; NVML's value is the one exported. signal=memory_total|memory_used.",
+        (*GPU_LABELS, "engine", "signal"),
+        "",
+        "gpu",
+    ),
+    _m(
+        "kvpressure_gpu_unified_memory_available_bytes",
+        "gauge",
+        "bytes",
+        "Unified-memory parts (GB10, GH200 reporting system memory, ...): memory available to "
+        "the GPU, which is the host's MemAvailable (/proc/meminfo), shared with the CPU.",
+        GPU_LABELS,
         "",
         "gpu",
     ),
@@ -639,6 +676,60 @@ _ALL: tuple[Metric, ...] = (
         "counter",
         "1",
         "Engine restarts seen as counter resets or a new process_start_time_seconds.",
+        ("engine", "instance"),
+        "",
+        "engine",
+    ),
+    _m(
+        "kvpressure_engine_series_merged_total",
+        "counter",
+        "1",
+        "Exposition samples folded into another instead of being summed as a second fact: "
+        "reason=duplicate (a repeated series, same name and labels: the last copy is kept), "
+        "per_process (rows differing only by a pid label: counters summed, gauges take the "
+        "live value).",
+        ("engine", "instance", "reason"),
+        "",
+        "engine",
+    ),
+    _m(
+        "kvpressure_engine_models_dropped",
+        "gauge",
+        "1",
+        "Models over the per-engine model cap (32) in the last scrape, whose samples were "
+        "dropped; the kept ones are those under the most pressure (KV usage, running, "
+        "waiting).",
+        ("engine", "instance"),
+        "",
+        "engine",
+    ),
+    _m(
+        "kvpressure_engine_gpu_memory_used_bytes",
+        "gauge",
+        "bytes",
+        "GPU memory used as the engine itself reports it (Triton nv_gpu_memory_used_bytes), "
+        "by GPU uuid; kvpressure_gpu_memory_used_bytes (NVML) is the reference.",
+        ("engine", "instance", "uuid"),
+        "",
+        "engine",
+    ),
+    _m(
+        "kvpressure_engine_gpu_memory_total_bytes",
+        "gauge",
+        "bytes",
+        "GPU memory total as the engine itself reports it (Triton nv_gpu_memory_total_bytes), "
+        "by GPU uuid; kvpressure_gpu_memory_total_bytes (NVML) is the reference.",
+        ("engine", "instance", "uuid"),
+        "",
+        "engine",
+    ),
+    _m(
+        "kvpressure_engine_counters_withheld",
+        "gauge",
+        "1",
+        "Per-model traffic counters (completed requests, prompt/generation tokens, request "
+        "durations) not exported in the last scrape: 0 for a model whose other traffic "
+        "counters moved, so the engine does not count them at that level (not zero traffic).",
         ("engine", "instance"),
         "",
         "engine",
@@ -989,12 +1080,32 @@ _ALL: tuple[Metric, ...] = (
         "engine",
     ),
     _m(
+        "kvpressure_engine_latency_window_observations",
+        "gauge",
+        "1",
+        "Observations in the window behind kvpressure_engine_latency_seconds (last 60 s of "
+        "the engine's histogram); below 5 the percentiles are absent.",
+        (*ENGINE_LABELS, "phase"),
+        "",
+        "engine",
+    ),
+    _m(
         "kvpressure_engine_kv_block_residency_seconds",
         "gauge",
         "seconds",
         "Windowed percentiles (p50, p95, p99) of KV block residency, event=lifetime|"
         "idle_before_evict|reuse_gap (vLLM --kv-cache-metrics histograms), absent when off.",
         (*ENGINE_LABELS, "event", "percentile"),
+        "",
+        "engine",
+    ),
+    _m(
+        "kvpressure_engine_kv_block_residency_window_observations",
+        "gauge",
+        "1",
+        "Observations in the window behind kvpressure_engine_kv_block_residency_seconds; "
+        "below 5 the percentiles are absent.",
+        (*ENGINE_LABELS, "event"),
         "",
         "engine",
     ),
@@ -1077,6 +1188,17 @@ _ALL: tuple[Metric, ...] = (
         "Spans in decoded OTLP exports by result: record (became a request record), ignored "
         "(not an LLM request span), rejected (LLM span with unusable values; partial_success).",
         ("result",),
+        "",
+        "requests",
+    ),
+    _m(
+        "kvpressure_otlp_span_attributes_dropped_total",
+        "counter",
+        "1",
+        "Timing or token attributes of received LLM spans dropped as unusable (negative, a -1 "
+        "sentinel, NaN, infinite, not a number), by attribute key; the span and its valid "
+        "fields are kept.",
+        ("attribute",),
         "",
         "requests",
     ),

@@ -1,7 +1,7 @@
 """The ``kvpressure`` command.
 
 Subcommands: ``run``, ``check-config``, ``status``, ``default-config``, ``metrics``,
-``plan``, ``explain``.
+``plan``, ``explain``, ``gpu record``.
 
 Exit codes: 0 success; 1 invalid config, or no agent answering (``status``); 2 usage error.
 """
@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -178,6 +179,37 @@ def _cmd_metrics(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_gpu_record(args: argparse.Namespace) -> int:
+    import datetime
+
+    import yaml
+
+    from agent.samplers import nvml_binding as nb
+    from agent.samplers.fake_nvml.record import record
+
+    try:
+        binding = nb.bind(args.binding)
+        profile = record(binding, seconds=args.seconds)
+    except (nb.NvmlError, OSError, ValueError) as exc:
+        print(f"kvpressure gpu record: {exc}", file=sys.stderr)
+        return 1
+    when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    header = (
+        f"# Fake NVML profile recorded by `kvpressure gpu record` ({args.binding}) at {when}.\n"
+        "# null = NVML_ERROR_NOT_SUPPORTED; errors: {function: NVML return code}.\n"
+        f"# Replay with gpu.binding: fake:{args.file}\n"
+    )
+    text = header + yaml.safe_dump(profile, sort_keys=False)
+    try:
+        with open(args.file, "w", encoding="utf-8") as f:
+            f.write(text)
+    except OSError as exc:
+        print(f"kvpressure gpu record: {exc}", file=sys.stderr)
+        return 1
+    print(f"{args.file}: {profile['gpus']} GPU(s) recorded")
+    return 0
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
     from agent.capacity.plan import run_plan
 
@@ -238,6 +270,16 @@ def build_parser() -> argparse.ArgumentParser:
     mt = sub.add_parser("metrics", help="print the metric catalogue as a Markdown table")
     mt.set_defaults(func=_cmd_metrics)
 
+    gpu = sub.add_parser("gpu", help="GPU tools").add_subparsers(dest="gpu_command", required=True)
+    rec = gpu.add_parser(
+        "record",
+        help="record this machine's NVML answers (errors included) into a fake NVML profile",
+    )
+    rec.add_argument("file", help="profile file to write (replay: gpu.binding: fake:FILE)")
+    rec.add_argument("--binding", default="nvml", help="NVML binding to record (default nvml)")
+    rec.add_argument("--seconds", type=float, default=1.0, help="rate measurement time")
+    rec.set_defaults(func=_cmd_gpu_record)
+
     # --- capacity: kvpressure plan ----------------------------------------------------
     pl = sub.add_parser(
         "plan",
@@ -281,10 +323,27 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+EXIT_BROKEN_PIPE = 141
+"""Exit code when the reader of stdout went away (128 + SIGPIPE, as ``cat | head`` gives)."""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``kvpressure`` console script; returns the exit code."""
+    """Entry point of the ``kvpressure`` console script; returns the exit code.
+
+    A reader that closes stdout early (``kvpressure metrics | head``) ends the command
+    quietly with :data:`EXIT_BROKEN_PIPE`, without a ``BrokenPipeError`` traceback.
+    """
     args = build_parser().parse_args(argv)
-    rc: int = args.func(args)
+    try:
+        rc: int = args.func(args)
+        sys.stdout.flush()  # a closed pipe surfaces here, not at interpreter exit
+    except BrokenPipeError:
+        # Python's documented recipe: point stdout at devnull so the exit-time flush of
+        # the rest of the buffer cannot raise again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return EXIT_BROKEN_PIPE
     return rc
 
 

@@ -11,10 +11,12 @@ Durations accept seconds as a number or a string with a unit (``"250ms"``, ``"1s
 
 from __future__ import annotations
 
+import contextlib
+import ipaddress
 import re
 from importlib import resources
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Final, Literal
 from urllib.parse import urlsplit
 
 import yaml
@@ -91,7 +93,9 @@ class GpuConfig(_Model):
 
     Attributes:
         binding: ``nvml`` (the real library from nvidia-ml-py) or ``fake:<profile>`` (a
-            recorded-behaviour fake for tests and demos, e.g. ``fake:h200``).
+            recorded-behaviour fake for tests and demos, e.g. ``fake:h200``), where the
+            profile is a bundled name or a profile file's path
+            (``fake:/path/profile.yaml``, e.g. one written by ``kvpressure gpu record``).
         idle_utilization_below: a GPU whose utilization ratio is below this while its
             engine has requests waiting is stalled ``idle_with_queue``.
         memory_bound_bandwidth_above: bandwidth utilization ratio above which, with SM
@@ -100,11 +104,23 @@ class GpuConfig(_Model):
         data_movement_window_s: window for bytes-per-token and tokens-per-byte.
     """
 
-    binding: str = Field(default="nvml", pattern=r"^(nvml|fake:[a-z0-9_.-]+)$")
+    binding: str = Field(default="nvml", pattern=r"^(nvml|fake:.+)$")
     idle_utilization_below: float = Field(default=0.10, ge=0, le=1)
     memory_bound_bandwidth_above: float = Field(default=0.60, ge=0, le=1)
     memory_bound_sm_below: float = Field(default=0.30, ge=0, le=1)
     data_movement_window_s: Seconds = Field(default=30.0, ge=1, le=3600)
+
+    @field_validator("binding")
+    @classmethod
+    def _check_binding(cls, v: str) -> str:
+        if v.startswith("fake:"):
+            from agent.samplers.fake_nvml import load_profile
+
+            try:
+                load_profile(v.removeprefix("fake:"))
+            except (OSError, ValueError, yaml.YAMLError) as exc:
+                raise ValueError(str(exc)) from None
+        return v
 
 
 class EngineConfig(_Model):
@@ -397,11 +413,16 @@ class Config(_Model):
 
     @model_validator(mode="after")
     def _unique_proxy_listens(self) -> Config:
-        taken = {self.listen}
+        taken: list[str] = []
         for i, p in enumerate(self.proxies):
-            if p.listen in taken and not p.listen.endswith(":0"):
+            if listen_overlaps(p.listen, self.listen):
+                raise ValueError(
+                    f"proxies[{i}]: listen {p.listen!r} is the agent's own address "
+                    f"(listen {self.listen!r}); give the proxy another port"
+                )
+            if any(listen_overlaps(p.listen, t) for t in taken):
                 raise ValueError(f"proxies[{i}]: listen {p.listen!r} is already used")
-            taken.add(p.listen)
+            taken.append(p.listen)
         return self
 
     @property
@@ -413,6 +434,37 @@ class Config(_Model):
     def listen_port(self) -> int:
         """The port part of ``listen``."""
         return int(self.listen.rpartition(":")[2])
+
+
+_WILDCARD_HOSTS: Final = frozenset({"", "*", "0.0.0.0", "::"})
+_LOOPBACK_NAMES: Final = {"localhost": "127.0.0.1", "ip6-localhost": "::1"}
+
+
+def _endpoint(listen: str) -> tuple[str, int]:
+    host, _, port = listen.rpartition(":")
+    host = host.strip("[]").lower()
+    host = _LOOPBACK_NAMES.get(host, host)
+    with contextlib.suppress(ValueError):
+        host = str(ipaddress.ip_address(host))  # "::0001" and "::1" are one address
+    return host, int(port) if port.isdigit() else -1
+
+
+def listen_overlaps(a: str, b: str) -> bool:
+    """Return True when two ``host:port`` listen addresses would take the same socket.
+
+    Args:
+        a: ``host:port`` (IPv6 in brackets).
+        b: ``host:port``.
+
+    Returns:
+        True when the ports are equal and not 0 (an ephemeral port never clashes) and the
+        hosts are the same address (``localhost`` is ``127.0.0.1``) or either is a wildcard
+        (``0.0.0.0``, ``::``, empty), which binds every address.
+    """
+    (ha, pa), (hb, pb) = _endpoint(a), _endpoint(b)
+    if pa != pb or pa <= 0:
+        return False
+    return ha == hb or ha in _WILDCARD_HOSTS or hb in _WILDCARD_HOSTS
 
 
 def _loc(loc: tuple[int | str, ...]) -> str:

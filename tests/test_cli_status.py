@@ -81,3 +81,56 @@ def test_status_exits_1_when_no_agent_answers():
     )
     assert r.returncode == 1
     assert "no agent answering at http://127.0.0.1:9" in r.stderr
+
+
+# --- issue 17: a reader that stops early (| head) gets no BrokenPipeError traceback ----------
+
+
+def _closed_reader(*args: str) -> subprocess.CompletedProcess[str]:
+    """Run ``kvpressure ARGS`` with its stdout pipe closed before it writes, as ``| head``."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "agent.cli", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # the reader is gone before the first write
+    err = proc.stderr.read()
+    proc.wait(30)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, "", err)
+
+
+def test_metrics_into_a_closed_pipe_ends_quietly() -> None:
+    r = _closed_reader("metrics")
+    assert "Traceback" not in r.stderr and "BrokenPipeError" not in r.stderr, r.stderr
+    assert r.returncode == 141  # 128 + SIGPIPE, like `cat | head`
+
+
+def test_status_json_into_a_closed_pipe_ends_quietly() -> None:
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    body = json.dumps(_snap()).encode()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: object) -> None:
+            pass
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{srv.server_address[1]}"
+        r = _closed_reader("status", "--json", "--url", url)
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    assert "Traceback" not in r.stderr and "BrokenPipeError" not in r.stderr, r.stderr
+    assert r.returncode == 141

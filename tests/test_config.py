@@ -93,3 +93,34 @@ def test_default_config_cli_round_trips(tmp_path):
     p = tmp_path / "d.yaml"
     p.write_text(r.stdout)
     assert c.load(p) == c.Config()
+
+
+# --- issue 17: a proxy cannot listen on the agent's own address ------------------------------
+
+
+@pytest.mark.parametrize(
+    "proxy_listen",
+    ["127.0.0.1:9470", "localhost:9470", "0.0.0.0:9470", "[::]:9470"],
+)
+def test_check_config_rejects_a_proxy_on_the_agents_own_address(tmp_path, proxy_listen):
+    cfg = tmp_path / "proxy.yaml"
+    cfg.write_text(
+        "listen: 127.0.0.1:9470\n"
+        f"proxies: [{{listen: '{proxy_listen}', upstream: 'http://127.0.0.1:8080', "
+        "engine: llamacpp}]\n"
+    )
+    r = _cli("check-config", str(cfg))
+    assert r.returncode == 1, r.stdout
+    assert "agent's own address" in r.stderr
+
+
+def test_check_config_accepts_a_proxy_on_another_port(tmp_path):
+    cfg = tmp_path / "proxy.yaml"
+    cfg.write_text(
+        "listen: 127.0.0.1:9470\n"
+        "proxies: [{listen: '127.0.0.1:9471', upstream: 'http://127.0.0.1:8080', "
+        "engine: llamacpp}, {listen: '0.0.0.0:9472', upstream: 'http://127.0.0.1:8081', "
+        "engine: vllm}]\n"
+    )
+    r = _cli("check-config", str(cfg))
+    assert r.returncode == 0, r.stderr

@@ -348,14 +348,19 @@ def test_counter_reset_of_one_rank_does_not_overcount_the_sum() -> None:
 # --- labels and bounds -----------------------------------------------------------------------
 
 
-def test_models_are_capped_at_32_with_a_log_once(caplog: pytest.LogCaptureFixture) -> None:
+def test_models_are_capped_at_32_with_one_warning_per_change(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     body = "".join(f'vllm:num_requests_running{{model_name="m{i:02d}"}} 1\n' for i in range(40))
     with caplog.at_level(logging.WARNING):
         _, scrape = norm("vllm", body, body)
     models = {dict(s.labels)["model"] for s in scrape.samples}
     assert len(models) == 32
     assert len(scrape.models) == 32
-    assert len([r for r in caplog.records if "more than 32 models" in r.getMessage()]) == 8
+    assert scrape.models_dropped == 8
+    warned = [r.getMessage() for r in caplog.records if "cap of 32" in r.getMessage()]
+    assert len(warned) == 1  # two scrapes, one dropped set: one warning, with counts
+    assert "40 models" in warned[0] and "dropped 8" in warned[0]
 
 
 def test_previously_admitted_models_keep_their_place() -> None:

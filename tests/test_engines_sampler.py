@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from agent.catalogue import CATALOGUE
-from agent.samplers.engines import EngineSampler, make_engine_sampler, probe
+from agent.samplers.engines import ENGINE_TYPES, EngineSampler, make_engine_sampler, probe
 from agent.samples import Batch
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -625,4 +625,220 @@ def test_kvbm_endpoint_is_a_tier_source_without_kv_status(
     assert sources(batch) == {"metrics": ("ok", "")}  # no kv_cache "not exported"
     name = "kvpressure_engine_kv_offload_blocks_total"
     assert value(batch, name, tier="kv_host", direction="offload") == 96000
+    assert_catalogued(batch)
+
+
+# --- issue 17: one fact is never summed twice; the model cap keeps the pressured models ----
+
+# (engine type, running gauge, waiting gauge, prompt-token counter sample, model label)
+_ENGINES = [
+    (
+        "vllm",
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:prompt_tokens_total",
+        "model_name",
+    ),
+    (
+        "sglang",
+        "sglang:num_running_reqs",
+        "sglang:num_queue_reqs",
+        "sglang:prompt_tokens_total",
+        "model_name",
+    ),
+    (
+        "trtllm",
+        "trtllm:num_requests_running",
+        "trtllm:num_requests_waiting",
+        "trtllm:prompt_tokens_total",
+        "model_name",
+    ),
+    ("tgi", "tgi_batch_current_size", "tgi_queue_size", "tgi_request_input_length_sum", ""),
+]
+
+
+def _merged(batch: Batch, reason: str) -> float | None:
+    return value(batch, "kvpressure_engine_series_merged_total", reason=reason)
+
+
+@pytest.mark.parametrize(("etype", "running", "waiting", "counter", "mlabel"), _ENGINES)
+def test_issue17_repeated_series_is_kept_once_last_wins(
+    stub: EngineStub,
+    samplers: list[EngineSampler],
+    etype: str,
+    running: str,
+    waiting: str,
+    counter: str,
+    mlabel: str,
+) -> None:
+    lbl = f'{{{mlabel}="m"}}' if mlabel else ""
+    family = running.rsplit("_total", 1)[0]
+    body = (
+        f"# TYPE {family} gauge\n{running}{lbl} 5\n"
+        f"# TYPE {family} gauge\n{running}{lbl} 7\n"  # the family again: 7 is the value
+        f"{waiting}{lbl} 2\n"
+        f"{counter}{lbl} 100\n{counter}{lbl} 100\n"  # the same counter line twice
+    )
+    stub.serve(ENGINE_TYPES[etype].metrics_path, body)
+    s = sampler(samplers, stub.url, etype)
+    batch = collect(s)
+    model = {"model": "m"} if mlabel else {}
+    assert value(batch, "kvpressure_engine_requests_running", **model) == 7  # was 12
+    assert value(batch, "kvpressure_engine_requests_waiting", **model) == 2
+    prompt = [smp.value for smp in batch.samples if "prompt" in smp.name and "_total" in smp.name]
+    assert prompt and all(v == 100 for v in prompt), prompt  # was 200
+    assert _merged(batch, "duplicate") == 2
+    assert _merged(batch, "per_process") == 0
+    collect(s)
+    assert _merged(collect(s), "duplicate") == 6  # cumulative
+    assert_catalogued(batch)
+
+
+@pytest.mark.parametrize(("etype", "running", "waiting", "counter", "mlabel"), _ENGINES)
+def test_issue17_per_process_rows_collapse_by_metric_type(
+    stub: EngineStub,
+    samplers: list[EngineSampler],
+    etype: str,
+    running: str,
+    waiting: str,
+    counter: str,
+    mlabel: str,
+) -> None:
+    # prometheus_client multiprocess mode: one row per pid; the gauge's idle processes
+    # hold 0, the counter's processes each count their own requests
+    m = f'{mlabel}="m",' if mlabel else ""
+    zeros = "".join(f'{running}{{{m}pid="{100 + i}"}} 0.0\n' for i in range(7))
+    body = (
+        f'# TYPE {running} gauge\n{zeros}{running}{{{m}pid="200"}} 3.0\n'
+        f"# TYPE {waiting} gauge\n"
+        f'{waiting}{{{m}pid="100"}} 4.0\n{waiting}{{{m}pid="101"}} 4.0\n'
+        f'{counter}{{{m}pid="100"}} 10\n{counter}{{{m}pid="101"}} 20\n'
+    )
+    stub.serve(ENGINE_TYPES[etype].metrics_path, body)
+    s = sampler(samplers, stub.url, etype)
+    batch = collect(s)
+    model = {"model": "m"} if mlabel else {}
+    assert value(batch, "kvpressure_engine_requests_running", **model) == 3  # the live row
+    assert value(batch, "kvpressure_engine_requests_waiting", **model) == 4  # not 8: one fact
+    prompt = [smp.value for smp in batch.samples if "prompt" in smp.name and "_total" in smp.name]
+    assert prompt and all(v == 30 for v in prompt), prompt  # counters: the processes' sum
+    assert _merged(batch, "per_process") == 7 + 1 + 1
+    assert _merged(batch, "duplicate") == 0
+    assert all("pid" not in dict(smp.labels) for smp in batch.samples)
+
+
+def test_issue17_model_cap_keeps_the_models_under_pressure(
+    stub: EngineStub, samplers: list[EngineSampler], caplog: pytest.LogCaptureFixture
+) -> None:
+    # 40 LoRA adapters; the hot one sorts last alphabetically and must survive the cap
+    lines = []
+    for i in range(40):
+        name = f"adapter-{i:02d}"
+        kv = 0.99 if i == 39 else 0.01
+        waiting = 5 if i == 38 else 0
+        lines.append(f'vllm:kv_cache_usage_perc{{model_name="{name}"}} {kv}\n')
+        lines.append(f'vllm:num_requests_running{{model_name="{name}"}} {i % 3}\n')
+        lines.append(f'vllm:num_requests_waiting{{model_name="{name}"}} {waiting}\n')
+    stub.serve("/metrics", "".join(lines))
+    s = sampler(samplers, stub.url, "vllm")
+    with caplog.at_level(logging.WARNING):
+        batch = collect(s)
+        collect(s)
+        collect(s)
+    kv = "kvpressure_engine_kv_cache_usage_ratio"
+    assert value(batch, kv, model="adapter-39") == 0.99  # alphabetical order dropped it
+    assert value(batch, "kvpressure_engine_requests_waiting", model="adapter-38") == 5
+    models = {dict(smp.labels).get("model") for smp in batch.samples if smp.name == kv}
+    assert len(models) == 32
+    assert value(batch, "kvpressure_engine_models_dropped") == 8
+    warned = [r.getMessage() for r in caplog.records if "cap of 32" in r.getMessage()]
+    assert len(warned) == 1 and "dropped 8" in warned[0]  # once per change, with counts
+    # the dropped set changes: one more warning
+    stub.serve("/metrics", "".join(lines[: 3 * 33]))
+    with caplog.at_level(logging.WARNING):
+        batch = collect(s)
+    assert value(batch, "kvpressure_engine_models_dropped") == 1
+    assert len([r for r in caplog.records if "cap of 32" in r.getMessage()]) == 2
+
+
+def _ttft_histogram(counts: tuple[int, int, int]) -> str:
+    """A vLLM TTFT histogram: ``counts`` observations <= 0.1 s, <= 1 s, <= +Inf (cumulative)."""
+    lab = 'model_name="m"'
+    a, b, c = counts
+    return (
+        "# TYPE vllm:time_to_first_token_seconds histogram\n"
+        f'vllm:time_to_first_token_seconds_bucket{{{lab},le="0.1"}} {a}\n'
+        f'vllm:time_to_first_token_seconds_bucket{{{lab},le="1.0"}} {b}\n'
+        f'vllm:time_to_first_token_seconds_bucket{{{lab},le="+Inf"}} {c}\n'
+        f"vllm:time_to_first_token_seconds_count{{{lab}}} {c}\n"
+        f"vllm:time_to_first_token_seconds_sum{{{lab}}} {0.05 * c}\n"
+        f"vllm:num_requests_running{{{lab}}} 1\n"
+    )
+
+
+def test_issue17_window_observation_count_is_exported_beside_the_quantiles(
+    stub: EngineStub, samplers: list[EngineSampler]
+) -> None:
+    s = sampler(samplers, stub.url, "vllm")
+    stub.serve("/metrics", _ttft_histogram((0, 0, 0)))
+    collect(s)
+    stub.serve("/metrics", _ttft_histogram((2, 3, 3)))  # 3 requests: too few for a quantile
+    batch = collect(s)
+    obs = "kvpressure_engine_latency_window_observations"
+    lat = "kvpressure_engine_latency_seconds"
+    assert value(batch, obs, phase="ttft", model="m") == 3
+    assert value(batch, lat, phase="ttft", percentile="p50") is None  # absent, and now why
+    stub.serve("/metrics", _ttft_histogram((9, 10, 10)))
+    batch = collect(s)
+    assert value(batch, obs, phase="ttft", model="m") == 10
+    assert value(batch, lat, phase="ttft", percentile="p50") is not None
+    assert_catalogued(batch)
+
+
+def test_issue17_a_counter_the_engine_never_counts_per_model_is_absent_not_zero(
+    stub: EngineStub, samplers: list[EngineSampler]
+) -> None:
+    def triton(n: int) -> str:
+        rows = []
+        for model, success, request_us, compute_us in (
+            ("ensemble", n, 900_000 * n, 0),  # the ensemble has no compute of its own
+            ("tensorrt_llm", n, 800_000 * n, 700_000 * n),
+            ("idle_model", 0, 0, 0),  # no traffic: its zeros are true
+        ):
+            lab = f'model="{model}",version="1"'
+            rows += [
+                f"nv_inference_request_success{{{lab}}} {success}",
+                f"nv_inference_request_duration_us{{{lab}}} {request_us}",
+                f"nv_inference_compute_infer_duration_us{{{lab}}} {compute_us}",
+            ]
+        return "\n".join(rows) + "\n"
+
+    stub.serve("/metrics", triton(10))
+    s = sampler(samplers, stub.url, "triton")
+    collect(s)
+    stub.serve("/metrics", triton(12))
+    batch = collect(s)
+    dur = "kvpressure_engine_request_duration_seconds_total"
+    assert value(batch, dur, model="ensemble", phase="compute") is None  # was 0.0
+    assert value(batch, dur, model="ensemble", phase="request") == pytest.approx(10.8)
+    assert value(batch, dur, model="tensorrt_llm", phase="compute") == pytest.approx(8.4)
+    assert value(batch, dur, model="idle_model", phase="compute") == 0
+    assert value(batch, "kvpressure_engine_requests_completed_total", model="idle_model") == 0
+    assert value(batch, "kvpressure_engine_counters_withheld") == 1
+    assert_catalogued(batch)
+
+
+def test_issue17_triton_gpu_view_is_kept_as_the_engines_own(
+    stub: EngineStub, samplers: list[EngineSampler]
+) -> None:
+    uuid = "GPU-5eed0200-0000-4000-8000-000000000000"
+    stub.serve(
+        "/metrics",
+        f'nv_gpu_memory_used_bytes{{gpu_uuid="{uuid}"}} 9.2e10\n'
+        f'nv_gpu_memory_total_bytes{{gpu_uuid="{uuid}"}} 1.5e11\n'
+        'nv_inference_request_success{model="tensorrt_llm",version="1"} 3\n',
+    )
+    batch = collect(sampler(samplers, stub.url, "triton"))
+    assert value(batch, "kvpressure_engine_gpu_memory_used_bytes", uuid=uuid) == 9.2e10
+    assert value(batch, "kvpressure_engine_gpu_memory_total_bytes", uuid=uuid) == 1.5e11
     assert_catalogued(batch)

@@ -175,6 +175,7 @@ def test_one_batch_of_calls_per_gpu_per_cycle():
         "nvmlGpmSampleGet": 8,
         "nvmlGpmMetricsGet": 8,
         "nvmlDeviceGetComputeRunningProcesses": 8,
+        "nvmlDeviceGetGraphicsRunningProcesses": 8,
         "nvmlDeviceGetFieldValues": 8,
         "nvmlEventSetWait_v2": 1,
     }
@@ -183,6 +184,7 @@ def test_one_batch_of_calls_per_gpu_per_cycle():
     collect(s)
     for fn in (
         "nvmlDeviceGetComputeRunningProcesses",
+        "nvmlDeviceGetGraphicsRunningProcesses",
         "nvmlDeviceGetFieldValues",
         "nvmlEventSetWait_v2",
     ):
@@ -772,3 +774,241 @@ def test_hopper_mig_instances_get_gpm_through_the_mig_sample():
     )
     assert get(b, "kvpressure_gpu_sm_occupancy_ratio", mig="1") == 0.18
     assert stall(b, "memory_bound", mig="1") == 2.0  # cycles 2 and 3 (GPM needs two samples)
+
+
+# ---- issue 17, kind 2: values that cannot be true are dropped and counted ------------------
+GIB = 1024**3
+
+
+def _procfs(tmp_path, mem_total_kib=2 * 1024**3, mem_available_kib=1536 * 1024**2, nspid=()):
+    """A procfs root with meminfo and ``(outer, inner)`` processes in a nested PID namespace."""
+    (tmp_path / "meminfo").write_text(
+        f"MemTotal:       {mem_total_kib} kB\nMemFree:        1000 kB\n"
+        f"MemAvailable:   {mem_available_kib} kB\n"
+    )
+    for outer, inner in nspid:
+        d = tmp_path / str(outer)
+        d.mkdir()
+        (d / "status").write_text(f"Name:\tpython3\nPid:\t{outer}\nNSpid:\t{outer}\t{inner}\n")
+        (d / "stat").write_text(f"{outer} (python3) S 1 {outer} {outer} 0\n")
+    return str(tmp_path)
+
+
+def _dropped(batch, reason):
+    return get(batch, "kvpressure_gpu_values_dropped_total", reason=reason)
+
+
+def _process_rows(batch):
+    return {
+        dict(x.labels)["pid"]: x.value
+        for x in batch.samples
+        if x.name == "kvpressure_gpu_process_memory_bytes"
+    }
+
+
+def test_issue17_impossible_process_rows_are_dropped_and_counted_rest_kept(tmp_path):
+    s, fake, clock = make("h200", procfs_root=_procfs(tmp_path))
+    fake.set(
+        0,
+        processes=[
+            (0, 1 * GIB, "ghost"),  # seen on real drivers
+            (4294967295, 4294967295, "ghost"),  # -1 as unsigned, with -1 bytes
+            (5000, 10 * GIB, "vllm"),
+            (5000, 10 * GIB, "vllm"),  # the same row twice
+            (5001, 500 * GIB, "big"),  # more than the 140 GiB GPU
+        ],
+        graphics_processes=[
+            (5000, 10 * GIB, "vllm"),  # compute + graphics contexts: one process
+            (6000, 2 * GIB, "Xorg"),  # graphics only: was never read
+        ],
+    )
+    b = collect(s)
+    assert _process_rows(b) == {"5000": 10 * GIB, "6000": 2 * GIB}  # not 20 GiB, no ghosts
+    assert _dropped(b, "process_pid_invalid") == 2
+    assert _dropped(b, "process_duplicate") == 1
+    assert _dropped(b, "process_memory_above_total") == 1
+    # the rest of the sample is kept
+    assert get(b, "kvpressure_gpu_memory_used_bytes") == 87321 * MIB
+    assert get(b, "kvpressure_gpu_utilization_ratio") == 0.68
+    assert get(b, "kvpressure_gpu_up") == 1.0
+    clock.tick()
+    b = collect(s)
+    assert _dropped(b, "process_pid_invalid") == 4  # cumulative
+    assert_catalogued_gpu(b)
+
+
+def assert_catalogued_gpu(batch):
+    for x in batch.samples:
+        assert {k for k, _ in x.labels} <= set(CATALOGUE[x.name].labels), x
+
+
+def test_issue17_pids_from_another_pid_namespace_are_mapped_through_nspid(tmp_path):
+    # the engine runs in a container: NVML lists its namespace's PID 7, which is 48213 here
+    procfs = _procfs(tmp_path, nspid=[(48213, 7), (48300, 9), (48301, 9)])
+    s, fake, _clock = make("h200", procfs_root=procfs, engine_pids=lambda: {48213: "vllm-a"})
+    fake.set(0, processes=[(7, 30 * GIB, "python3"), (9, 1 * GIB, "python3")])
+    b = collect(s)
+    rows = {
+        dict(x.labels)["pid"]: dict(x.labels).get("engine")
+        for x in b.samples
+        if x.name == "kvpressure_gpu_process_memory_bytes"
+    }
+    assert rows == {"48213": "vllm-a", "9": None}  # 9 is two containers' PID: left as is
+
+
+def _unified_profile(name, total_gib, used_gib):
+    spec = load_profile("gb10")
+    spec["device"] = {
+        **spec["device"],
+        "name": name,
+        "memory_mib": {"total": total_gib * 1024, "used": used_gib * 1024},
+    }
+    return spec
+
+
+@pytest.mark.parametrize(
+    ("name", "total_gib"),
+    [
+        ("NVIDIA GB10", 119),  # NVML answers with the system's memory (other drivers than case 01)
+        ("NVIDIA GH200 480GB", 470),  # a Grace superchip reporting the coherent system memory
+        ("NVIDIA Future SoC", 119),  # unknown name, total = host MemTotal
+    ],
+)
+def test_issue17_unified_memory_with_a_system_sized_total(tmp_path, name, total_gib):
+    procfs = _procfs(tmp_path, mem_total_kib=total_gib * 1024**2, mem_available_kib=80 * 1024**2)
+    s, _fake, clock = make(_unified_profile(name, total_gib, 34), procfs_root=procfs)
+    collect(s)
+    clock.tick()
+    b = collect(s)
+    info = next(x for x in b.samples if x.name == "kvpressure_gpu_info")
+    assert dict(info.labels)["unified_memory"] == "true"  # was "false"
+    # used is the processes' memory (20 GiB), not the host's 34 GiB
+    assert get(b, "kvpressure_gpu_memory_used_bytes") == 20480 * MIB
+    assert get(b, "kvpressure_gpu_memory_total_bytes") is None  # the system's, not the GPU's
+    assert get(b, "kvpressure_gpu_memory_free_bytes") is None
+    assert get(b, "kvpressure_gpu_unified_memory_available_bytes") == 80 * GIB
+    assert sources(b)["gpu0.memory"] == ("unsupported", "unified_memory")
+    assert get(b, "kvpressure_gpu_power_watts") == 11.17  # the rest is kept
+
+
+def test_issue17_a_discrete_gpu_on_a_big_host_is_not_unified(tmp_path):
+    s, _fake, _clock = make("h200", procfs_root=_procfs(tmp_path, mem_total_kib=2 * 1024**3))
+    b = collect(s)
+    info = next(x for x in b.samples if x.name == "kvpressure_gpu_info")
+    assert dict(info.labels)["unified_memory"] == "false"
+    assert get(b, "kvpressure_gpu_memory_used_bytes") == 87321 * MIB
+    assert get(b, "kvpressure_gpu_unified_memory_available_bytes") is None
+
+
+# ---- issue 17, kind 6: an engine that disagrees with NVML is flagged, NVML wins ------------
+def test_issue17_engine_gpu_view_disagreeing_with_nvml_is_flagged():
+    eng = Engines()
+    s, _fake, _clock = make("h200", state_view=eng.view)
+    uuid = "GPU-5eed0200-0000-4000-8000-000000000000"
+    nvml_v1_used = (87321 + 700) * MIB  # what the engine's own NVML v1 call calls used
+
+    def engine_view(engine, used, total):
+        lab = make_labels({"engine": engine, "instance": f"{engine}:8002", "uuid": uuid})
+        eng.series.setdefault("kvpressure_engine_gpu_memory_used_bytes", {})[lab] = used
+        eng.series.setdefault("kvpressure_engine_gpu_memory_total_bytes", {})[lab] = total
+
+    engine_view("triton-a", nvml_v1_used + 100 * MIB, 143771 * MIB)  # agrees (read later)
+    engine_view("triton-b", 20 * GIB, 80 * GIB)  # another GPU's figures: disagrees
+    b = collect(s)
+    flag = "kvpressure_gpu_engine_disagreement"
+    assert get(b, flag, engine="triton-a", signal="memory_used") == 0
+    assert get(b, flag, engine="triton-a", signal="memory_total") == 0
+    assert get(b, flag, engine="triton-b", signal="memory_used") == 1
+    assert get(b, flag, engine="triton-b", signal="memory_total") == 1
+    assert get(b, "kvpressure_gpu_memory_used_bytes") == 87321 * MIB  # NVML's, unchanged
+    assert_catalogued_gpu(b)
+
+
+# ---- fake NVML from a file, and `kvpressure gpu record` --------------------------------------
+def _static(batch):
+    """The samples a recording must reproduce exactly (rates are measured, so left out)."""
+    keep = (
+        "kvpressure_gpu_up",
+        "kvpressure_gpu_info",
+        "kvpressure_gpu_memory_",
+        "kvpressure_gpu_utilization_ratio",
+        "kvpressure_gpu_power_watts",
+        "kvpressure_gpu_temperature_celsius",
+        "kvpressure_gpu_clock_event_active",
+        "kvpressure_gpu_process_memory_bytes",
+        "kvpressure_gpu_values_dropped_total",
+    )
+    return sorted((x.name, x.labels, x.value) for x in batch.samples if x.name.startswith(keep))
+
+
+@pytest.mark.parametrize("profile", ["h200", "a100-80gb-mig", "gb10", "h100-sxm"])
+def test_gpu_record_round_trip_through_a_profile_file(tmp_path, profile):
+    from agent.cli import main
+
+    path = tmp_path / f"{profile}.yaml"
+    assert main(["gpu", "record", str(path), "--binding", f"fake:{profile}", "--seconds", "0"]) == 0
+    outputs = []
+    for binding in (f"fake:{profile}", f"fake:{path}"):
+        s = GpuSampler(binding, interval_s=1.0, timeout_s=10.0, gpu_timeout_s=0)
+        try:
+            collect(s)
+            time.sleep(0.01)
+            outputs.append((collect(s), sources(collect(s))))
+        finally:
+            s.close()
+    (orig, orig_src), (replay, replay_src) = outputs
+    assert _static(replay) == _static(orig)
+    assert replay_src == orig_src  # unsupported fields and their reasons too
+
+
+def test_gpu_record_keeps_nvml_errors_and_odd_rows(tmp_path):
+    from agent.samplers.fake_nvml.record import record
+
+    spec = load_profile("h200")
+    spec["device"] = {**spec["device"], "errors": {"nvmlDeviceGetPowerUsage": 4}}  # NO_PERMISSION
+    fake = FakeNvml(spec)
+    fake.set(0, processes=[(4294967295, 1 * GIB), (4242, 2 * GIB), (4242, 2 * GIB)])
+    profile = record(nb.NvmlBinding(fake, "fake:h200"), seconds=0, sleep=lambda _s: None)
+    dev = profile["device"]
+    assert dev["errors"] == {"nvmlDeviceGetPowerUsage": 4}
+    assert dev["power_w"] is None
+    assert [p["pid"] for p in dev["processes"]] == [4294967295, 4242, 4242]  # as NVML said
+    replay = GpuSampler(nb.NvmlBinding(FakeNvml(profile), "fake:file"), timeout_s=10.0)
+    b = collect(replay)
+    assert sources(b)["gpu0.power"] == ("unsupported", "no_permission")
+    assert _dropped(b, "process_pid_invalid") == 1 and _dropped(b, "process_duplicate") == 1
+
+
+def test_config_accepts_a_fake_profile_file_and_rejects_a_missing_one(tmp_path):
+    from agent.config import ConfigError, load
+
+    path = tmp_path / "gpu.yaml"
+    path.write_text(
+        (Path(__file__).parents[1] / "agent/samplers/fake_nvml/profiles/gb10.yaml").read_text()
+    )
+    good = tmp_path / "good.yaml"
+    good.write_text(f"gpu: {{binding: 'fake:{path}'}}\n")
+    assert load(str(good)).gpu.binding == f"fake:{path}"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(f"gpu: {{binding: 'fake:{tmp_path}/missing.yaml'}}\n")
+    with pytest.raises(ConfigError):
+        load(str(bad))
+
+
+def test_issue17_impossible_memory_and_utilization_readings_are_dropped_rest_kept(tmp_path):
+    s, fake, clock = make("h200", procfs_root=_procfs(tmp_path))
+    fake.set(0, memory_used=200 * GIB, utilization_gpu=255)  # used > the 140 GiB total
+    b = collect(s)
+    assert get(b, "kvpressure_gpu_memory_used_bytes") is None
+    assert get(b, "kvpressure_gpu_memory_total_bytes") is None
+    assert get(b, "kvpressure_gpu_utilization_ratio") is None
+    assert _dropped(b, "memory_above_total") == 1
+    assert _dropped(b, "utilization_out_of_range") == 1
+    assert get(b, "kvpressure_gpu_power_watts") == 434.0  # the rest is kept
+    assert _process_rows(b) == {"4242": 86016 * MIB}
+    fake.set(0, memory_used=80 * GIB, utilization_gpu=50)
+    clock.tick()
+    b = collect(s)
+    assert get(b, "kvpressure_gpu_memory_used_bytes") == 80 * GIB
+    assert get(b, "kvpressure_gpu_utilization_ratio") == 0.5
+    assert _dropped(b, "memory_above_total") == 1  # cumulative, nothing new

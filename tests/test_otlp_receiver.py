@@ -11,6 +11,7 @@ import asyncio
 import base64
 import gzip
 import json
+import logging
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -184,7 +185,7 @@ def agent(stream: RequestStream) -> Iterator[Agent]:
 def counters(receiver: OtlpReceiver) -> dict[tuple[str, str], float]:
     b = Batch()
     receiver.add_samples(b)
-    return {(s.name, dict(s.labels)["result"]): s.value for s in b}
+    return {(s.name, next(iter(dict(s.labels).values()))): s.value for s in b}
 
 
 def assert_capture_record(rec: Any) -> None:
@@ -354,21 +355,25 @@ def test_disabled_receiver_answers_404(agent: Agent) -> None:
 def test_unknown_spans_ignored_and_bad_llm_spans_rejected_partially(
     agent: Agent, stream: RequestStream
 ) -> None:
-    bad = span("llm_request", {"gen_ai.latency.e2e": -1.0})
+    bad = span("llm_request", {"gen_ai.latency.e2e": -1.0})  # a bad field: kept, e2e = duration
     backwards = span("llm_request", {"gen_ai.latency.e2e": 1.0}, dur=-1.0)
+    no_start = span("llm_request", {"gen_ai.latency.e2e": 1.0}, start=0.0)
     unknown = span("GET /health", {"http.request.method": "GET"})
     embeddings = span("embeddings m", {"gen_ai.operation.name": "embeddings"})
-    body = export(capture_span(), bad, unknown, backwards, embeddings).SerializeToString()
-    r = httpx.post(agent.url, content=body, headers={"Content-Type": PB})
+    body = export(capture_span(), bad, unknown, backwards, no_start, embeddings)
+    r = httpx.post(agent.url, content=body.SerializeToString(), headers={"Content-Type": PB})
     assert r.status_code == 200
     resp = ExportTraceServiceResponse.FromString(r.content)
     assert resp.partial_success.rejected_spans == 2
-    assert "gen_ai.latency.e2e" in resp.partial_success.error_message
-    assert len(stream.drain("test")) == 1
+    assert "start/end" in resp.partial_success.error_message
+    records = stream.drain("test")
+    assert len(records) == 2
+    assert records[1].e2e_s == pytest.approx(2.0)
     c = counters(agent.receiver)
-    assert c[("kvpressure_otlp_spans_received_total", "record")] == 1
+    assert c[("kvpressure_otlp_spans_received_total", "record")] == 2
     assert c[("kvpressure_otlp_spans_received_total", "ignored")] == 2
     assert c[("kvpressure_otlp_spans_received_total", "rejected")] == 2
+    assert c[("kvpressure_otlp_span_attributes_dropped_total", "gen_ai.latency.e2e")] == 1
     assert c[("kvpressure_otlp_requests_total", "partial")] == 1
 
 
@@ -459,9 +464,18 @@ def test_tgi_router_spans(agent: Agent, stream: RequestStream) -> None:
     assert rec.e2e_s == pytest.approx(1.523456789)
     assert rec.queue_s == pytest.approx(0.01225)
     assert (rec.input_tokens, rec.output_tokens) == (17, 50)
-    bad = span("generate", {"total_time": "soon", "inference_time": "1s"})
+    bad = span("generate", {"total_time": "soon", "inference_time": "1s", "queue_time": "2ms"})
     r = httpx.post(agent.url, content=export(bad).SerializeToString(), headers={"Content-Type": PB})
-    assert ExportTraceServiceResponse.FromString(r.content).partial_success.rejected_spans == 1
+    resp = ExportTraceServiceResponse.FromString(r.content)
+    assert resp.partial_success.rejected_spans == 0
+    assert "total_time" in resp.partial_success.error_message
+    (rec,) = stream.drain("test")  # the bad total_time alone is dropped
+    assert rec.e2e_s == pytest.approx(2.0)  # the span's duration
+    assert rec.queue_s == pytest.approx(0.002)
+    assert (
+        counters(agent.receiver)[("kvpressure_otlp_span_attributes_dropped_total", "total_time")]
+        == 1
+    )
 
 
 def test_engine_labels_are_bounded(stream: RequestStream) -> None:
@@ -508,3 +522,102 @@ def test_default_limit_accepts_bodies_above_aiohttps_own_1_mib(stream: RequestSt
         assert len(stream.drain("test")) == 6000
     finally:
         a.stop()
+
+
+# --- issue 17, kind 3: one bad field never loses the record ----------------------------------
+
+
+def test_issue17_sentinel_and_non_finite_fields_are_dropped_alone(
+    agent: Agent, stream: RequestStream, caplog: pytest.LogCaptureFixture
+) -> None:
+    # TensorRT-LLM writes -1 for timings it does not have; other exporters send NaN/inf
+    trtllm = span(
+        "llm_request",
+        {
+            "gen_ai.latency.time_to_first_token": -1.0,
+            "gen_ai.latency.time_in_queue": -1.0,
+            "gen_ai.latency.e2e": 1.2,
+            "gen_ai.usage.prompt_tokens": 300,
+            "gen_ai.usage.completion_tokens": 40,
+            "gen_ai.response.model": "llama",
+        },
+        dur=1.25,
+    )
+    odd = span(
+        "llm_request",
+        {
+            "gen_ai.latency.time_in_model_prefill": float("nan"),
+            "gen_ai.latency.time_in_model_decode": "inf",
+            "gen_ai.latency.time_to_first_token": 0.3,
+            "gen_ai.usage.prompt_tokens": -1,
+            "gen_ai.usage.input_tokens": 12,
+            "gen_ai.usage.completion_tokens": "many",
+        },
+        dur=0.9,
+    )
+    chat = span(
+        "chat m",
+        {
+            "gen_ai.operation.name": "chat",
+            "gen_ai.server.time_to_first_token": float("-inf"),
+            "gen_ai.usage.output_tokens": 2.5,
+            "gen_ai.usage.input_tokens": 7,
+        },
+    )
+    with caplog.at_level(logging.WARNING):
+        for _ in range(2):
+            body = export(trtllm, odd, chat).SerializeToString()
+            r = httpx.post(agent.url, content=body, headers={"Content-Type": PB})
+            assert r.status_code == 200
+            resp = ExportTraceServiceResponse.FromString(r.content)
+            assert resp.partial_success.rejected_spans == 0
+    recs = stream.drain("test")
+    assert len(recs) == 6  # every span kept, both times
+    t, o, c = recs[:3]
+    assert t.e2e_s == pytest.approx(1.2) and (t.input_tokens, t.output_tokens) == (300, 40)
+    assert t.ttft_s is None and t.queue_s is None  # absent, never -1 or 0
+    assert t.model == "llama"
+    assert o.ttft_s == pytest.approx(0.3) and o.prefill_s is None and o.decode_s is None
+    assert o.input_tokens == 12 and o.output_tokens is None  # the next key is used
+    assert c.ttft_s is None and c.output_tokens is None and c.input_tokens == 7
+    cnt = counters(agent.receiver)
+    dropped = {k: v for (m, k), v in cnt.items() if m.endswith("attributes_dropped_total")}
+    assert dropped == {
+        "gen_ai.latency.time_to_first_token": 2,
+        "gen_ai.latency.time_in_queue": 2,
+        "gen_ai.latency.time_in_model_prefill": 2,
+        "gen_ai.latency.time_in_model_decode": 2,
+        "gen_ai.usage.prompt_tokens": 2,
+        "gen_ai.usage.completion_tokens": 2,
+        "gen_ai.server.time_to_first_token": 2,
+        "gen_ai.usage.output_tokens": 2,
+    }
+    assert cnt[("kvpressure_otlp_spans_received_total", "record")] == 6
+    warned = [r for r in caplog.records if "unusable value" in r.getMessage()]
+    assert len(warned) == len(dropped)  # once per attribute, not per span
+
+
+def test_issue17_a_phase_longer_than_the_request_is_dropped_alone(
+    agent: Agent, stream: RequestStream
+) -> None:
+    impossible = span(
+        "llm_request",
+        {
+            "gen_ai.latency.e2e": 1.8446744073709552e10,  # unsigned -1 ns read as seconds
+            "gen_ai.latency.time_to_first_token": 0.4,
+            "gen_ai.latency.time_in_queue": 7.0,  # longer than the whole 2 s request
+            "gen_ai.usage.prompt_tokens": 10,
+        },
+        dur=2.0,
+    )
+    r = httpx.post(
+        agent.url, content=export(impossible).SerializeToString(), headers={"Content-Type": PB}
+    )
+    assert ExportTraceServiceResponse.FromString(r.content).partial_success.rejected_spans == 0
+    (rec,) = stream.drain("test")
+    assert rec.e2e_s == pytest.approx(2.0)  # the span's own duration
+    assert rec.ttft_s == pytest.approx(0.4) and rec.queue_s is None
+    assert rec.input_tokens == 10
+    c = counters(agent.receiver)
+    assert c[("kvpressure_otlp_span_attributes_dropped_total", "gen_ai.latency.e2e")] == 1
+    assert c[("kvpressure_otlp_span_attributes_dropped_total", "gen_ai.latency.time_in_queue")] == 1

@@ -27,8 +27,17 @@ The engine label comes from ``otlp_receiver.service_engines`` (resource ``servic
 engine), else the span's provider attribute, else the engine kind (``vllm``, ``tgi``),
 bounded to :data:`~agent.requests.metrics.MAX_ENGINES` values.
 
+One bad field never loses the record (issue 17, kind 3): a timing or token attribute that
+is present but unusable (TensorRT-LLM's ``-1`` "no timing" sentinel, any negative value,
+NaN, infinity, not a number, or a phase longer than the whole request: :func:`_within`)
+is dropped alone, the record keeps the span's valid fields
+(a dropped end-to-end time falls back to the span's duration), and the drop is counted
+per attribute in ``kvpressure_otlp_span_attributes_dropped_total{attribute}``.
+
 Answers: 200 with an ``ExportTraceServiceResponse`` in the request's encoding
-(``partial_success.rejected_spans`` counts understood spans whose values were unusable);
+(``partial_success.rejected_spans`` counts understood spans that could not be records at
+all: start/end times missing or reversed; ``error_message`` also says when attributes
+were dropped);
 400 for undecodable bodies, 413 over ``max_body_bytes`` (compressed or not), 415 for other
 content types or encodings, each with a one-line ``google.rpc.Status`` message. Nothing
 raised while decoding escapes the handler.
@@ -71,6 +80,7 @@ PROTOBUF = "application/x-protobuf"
 JSON = "application/json"
 
 SPANS_METRIC = "kvpressure_otlp_spans_received_total"
+ATTRIBUTES_DROPPED_METRIC = "kvpressure_otlp_span_attributes_dropped_total"
 REQUESTS_METRIC = "kvpressure_otlp_requests_total"
 
 _GRPC_INVALID_ARGUMENT = 3
@@ -92,20 +102,25 @@ class OtlpDecodeError(ValueError):
 
 
 class _Reject(ValueError):
-    """An understood LLM span whose values are unusable (message: which attribute)."""
+    """An understood LLM span that cannot be a record at all (message: why).
+
+    Only the span's own start/end times can reject it; an unusable attribute is dropped
+    alone (see :meth:`OtlpReceiver.span_record`).
+    """
 
 
 @dataclass
 class _Counters:
     spans: dict[str, int] = field(default_factory=dict)
     requests: dict[str, int] = field(default_factory=dict)
+    attributes: dict[str, int] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def add(self, kind: str, key: str, n: int = 1) -> None:
         if n <= 0:
             return
         with self.lock:
-            d = self.spans if kind == "spans" else self.requests
+            d = {"spans": self.spans, "attributes": self.attributes}.get(kind, self.requests)
             d[key] = d.get(key, 0) + n
 
 
@@ -229,59 +244,86 @@ def _attrs(kvs: Any) -> dict[str, Any]:
     return out
 
 
-def _seconds(attrs: Mapping[str, Any], key: str) -> float | None:
-    """A duration attribute in seconds (number, or numeric string).
+def _seconds(attrs: Mapping[str, Any], key: str, dropped: list[str]) -> float | None:
+    """A duration attribute in seconds (number, or numeric string), or None.
 
-    Raises:
-        _Reject: present but negative, NaN, infinite or not a number.
+    A value that is present but unusable (not a number, negative such as TensorRT-LLM's
+    ``-1`` "no timing" sentinel, NaN or infinite) is dropped: None is returned and ``key``
+    is appended to ``dropped``; the rest of the span is kept.
     """
     if key not in attrs or attrs[key] is None:
         return None
     v = attrs[key]
     try:
         f = float(v)
-    except (TypeError, ValueError):
-        raise _Reject(f"{key} is not a number") from None
+    except (TypeError, ValueError, OverflowError):
+        dropped.append(key)
+        return None
     if isinstance(v, bool) or not math.isfinite(f) or f < 0:
-        raise _Reject(f"{key} is not a non-negative number")
+        dropped.append(key)
+        return None
     return f
 
 
-def _rust_duration(attrs: Mapping[str, Any], key: str) -> float | None:
-    """A TGI duration attribute (Rust ``Duration`` debug string such as ``"12.5ms"``).
+def _rust_duration(attrs: Mapping[str, Any], key: str, dropped: list[str]) -> float | None:
+    """A TGI duration attribute (Rust ``Duration`` debug string such as ``"12.5ms"``) in s.
 
-    Raises:
-        _Reject: present but not in that format.
+    A value that is present but not in that format (nor a usable number) is dropped: None,
+    and ``key`` appended to ``dropped``.
     """
     v = attrs.get(key)
     if v is None:
         return None
     if isinstance(v, int | float) and not isinstance(v, bool):
-        return _seconds(attrs, key)
+        return _seconds(attrs, key, dropped)
     m = _RUST_DURATION.match(str(v))
     if not m:
-        raise _Reject(f"{key} is not a duration such as 12.5ms")
+        dropped.append(key)
+        return None
     return float(m.group(1)) * _RUST_UNITS[m.group(2)]
 
 
-def _tokens(attrs: Mapping[str, Any], *keys: str) -> int | None:
-    """The first of ``keys`` present as a token count (int, or integral string).
+def _within(
+    value: float | None, key: str, limit: float, dropped: list[str], share: float = 0.01
+) -> float | None:
+    """``value`` unless it cannot be a part of a request lasting ``limit`` seconds.
 
-    Raises:
-        _Reject: present but negative or not an integer.
+    A phase longer than the whole request (a TTFT or queue time above the end-to-end time,
+    an end-to-end time far above the span's own duration, e.g. an unsigned ``-1`` read as
+    1.8e19 ns) cannot be true: it is dropped (``key`` appended to ``dropped``). The
+    tolerance is ``share`` of ``limit`` plus 10 ms (clocks and rounding; 1 s more for
+    ``share`` >= 0.1, the end-to-end time against the span).
+    """
+    if value is None:
+        return None
+    slack = limit * share + (1.0 if share >= 0.1 else 0.01)
+    if value > limit + slack:
+        dropped.append(key)
+        return None
+    return value
+
+
+def _tokens(attrs: Mapping[str, Any], dropped: list[str], *keys: str) -> int | None:
+    """The first of ``keys`` present with a usable token count (int, or integral string).
+
+    A key present with an unusable value (negative, fractional, not a number) is dropped
+    (appended to ``dropped``) and the next key is tried.
     """
     for key in keys:
         v = attrs.get(key)
         if v is None:
             continue
         if isinstance(v, bool) or (isinstance(v, float) and not v.is_integer()):
-            raise _Reject(f"{key} is not an integer")
+            dropped.append(key)
+            continue
         try:
             n = int(v)
         except (TypeError, ValueError, OverflowError):
-            raise _Reject(f"{key} is not an integer") from None
+            dropped.append(key)
+            continue
         if n < 0:
-            raise _Reject(f"{key} is negative")
+            dropped.append(key)
+            continue
         return n
     return None
 
@@ -371,12 +413,25 @@ class OtlpReceiver:
             name = _text(attrs, "gen_ai.provider.name", "gen_ai.system") or default
         return self._engines(name)
 
-    def span_record(self, span: Span, service: str | None) -> RequestRecord | None:
+    def span_record(
+        self, span: Span, service: str | None, dropped: list[str] | None = None
+    ) -> RequestRecord | None:
         """The record of one span, or None when the span is not an LLM request span.
 
+        One bad attribute never loses the record: a timing or token attribute that is
+        present but unusable (``-1`` sentinels, negative, NaN, infinite, not a number) is
+        left out of the record (absent, not 0) and its key appended to ``dropped``; an
+        end-to-end time that is dropped falls back to the span's own duration.
+
+        Args:
+            span: the OTLP span.
+            service: the resource's ``service.name``, if any.
+            dropped: receives the keys of the attributes dropped (may be None).
+
         Raises:
-            _Reject: an LLM request span whose values are unusable (the message says which).
+            _Reject: the span's start/end times are missing or reversed (no record at all).
         """
+        bad: list[str] = [] if dropped is None else dropped
         keys = {kv.key for kv in span.attributes}
         if span.name == "llm_request" or "gen_ai.latency.e2e" in keys:
             kind = "vllm"
@@ -410,45 +465,60 @@ class OtlpReceiver:
             "span_id": _hex_id(span.span_id, 8, _ZERO_SPAN),
             "model": _text(attrs, "gen_ai.response.model", "gen_ai.request.model"),
         }
+        span_s = end - start
         if kind == "vllm":
-            e2e = _seconds(attrs, "gen_ai.latency.e2e")
+            e2e = _within(
+                _seconds(attrs, "gen_ai.latency.e2e", bad), "gen_ai.latency.e2e", span_s, bad, 0.1
+            )
+            total = e2e if e2e is not None else span_s
+
+            def part(key: str) -> float | None:
+                return _within(_seconds(attrs, key, bad), key, total, bad)
+
             return RequestRecord(
                 engine=self._engine(service, attrs, "vllm"),
-                ttft_s=_seconds(attrs, "gen_ai.latency.time_to_first_token"),
-                e2e_s=e2e if e2e is not None else end - start,
-                queue_s=_seconds(attrs, "gen_ai.latency.time_in_queue"),
-                prefill_s=_seconds(attrs, "gen_ai.latency.time_in_model_prefill"),
-                decode_s=_seconds(attrs, "gen_ai.latency.time_in_model_decode"),
+                ttft_s=part("gen_ai.latency.time_to_first_token"),
+                e2e_s=total,
+                queue_s=part("gen_ai.latency.time_in_queue"),
+                prefill_s=part("gen_ai.latency.time_in_model_prefill"),
+                decode_s=part("gen_ai.latency.time_in_model_decode"),
                 input_tokens=_tokens(
-                    attrs, "gen_ai.usage.prompt_tokens", "gen_ai.usage.input_tokens"
+                    attrs, bad, "gen_ai.usage.prompt_tokens", "gen_ai.usage.input_tokens"
                 ),
                 output_tokens=_tokens(
-                    attrs, "gen_ai.usage.completion_tokens", "gen_ai.usage.output_tokens"
+                    attrs, bad, "gen_ai.usage.completion_tokens", "gen_ai.usage.output_tokens"
                 ),
                 **common,
             )
         if kind == "tgi":
-            total = _rust_duration(attrs, "total_time")
+            tgi_total = _within(
+                _rust_duration(attrs, "total_time", bad), "total_time", span_s, bad, 0.1
+            )
+            total = tgi_total if tgi_total is not None else span_s
             return RequestRecord(
                 engine=self._engine(service, attrs, "tgi"),
-                e2e_s=total if total is not None else end - start,
-                queue_s=_rust_duration(attrs, "queue_time"),
-                input_tokens=_tokens(attrs, "prompt_tokens"),
-                output_tokens=_tokens(attrs, "generated_tokens"),
+                e2e_s=total,
+                queue_s=_within(_rust_duration(attrs, "queue_time", bad), "queue_time", total, bad),
+                input_tokens=_tokens(attrs, bad, "prompt_tokens"),
+                output_tokens=_tokens(attrs, bad, "generated_tokens"),
                 **common,
             )
-        ttft = _seconds(attrs, "gen_ai.response.time_to_first_chunk")
-        if ttft is None:
-            ttft = _seconds(attrs, "gen_ai.server.time_to_first_token")
+        ttft = None
+        for key in ("gen_ai.response.time_to_first_chunk", "gen_ai.server.time_to_first_token"):
+            ttft = _within(_seconds(attrs, key, bad), key, span_s, bad)
+            if ttft is not None:
+                break
         return RequestRecord(
             engine=self._engine(service, attrs, "unknown"),
             ttft_s=ttft,
-            e2e_s=end - start,
-            input_tokens=_tokens(attrs, "gen_ai.usage.input_tokens", "gen_ai.usage.prompt_tokens"),
-            output_tokens=_tokens(
-                attrs, "gen_ai.usage.output_tokens", "gen_ai.usage.completion_tokens"
+            e2e_s=span_s,
+            input_tokens=_tokens(
+                attrs, bad, "gen_ai.usage.input_tokens", "gen_ai.usage.prompt_tokens"
             ),
-            cached_tokens=_tokens(attrs, "gen_ai.usage.cache_read.input_tokens"),
+            output_tokens=_tokens(
+                attrs, bad, "gen_ai.usage.output_tokens", "gen_ai.usage.completion_tokens"
+            ),
+            cached_tokens=_tokens(attrs, bad, "gen_ai.usage.cache_read.input_tokens"),
             **common,
         )
 
@@ -460,6 +530,7 @@ class OtlpReceiver:
         """
         recorded = ignored = rejected = 0
         first_reason = ""
+        dropped: list[str] = []
         for rs in req.resource_spans:
             service: str | None = None
             for kv in rs.resource.attributes:
@@ -469,7 +540,7 @@ class OtlpReceiver:
             for ss in rs.scope_spans:
                 for span in ss.spans:
                     try:
-                        record = self.span_record(span, service)
+                        record = self.span_record(span, service, dropped)
                     except _Reject as exc:
                         rejected += 1
                         first_reason = first_reason or f"span {span.name!r}: {exc}"
@@ -482,11 +553,25 @@ class OtlpReceiver:
         self._c.add("spans", "record", recorded)
         self._c.add("spans", "ignored", ignored)
         self._c.add("spans", "rejected", rejected)
+        for key in dropped:
+            self._c.add("attributes", key)
+            if f"attr:{key}" not in self._warned:
+                self._warned.add(f"attr:{key}")
+                log.warning(
+                    "OTLP span attribute %s has an unusable value (negative, -1 sentinel, "
+                    "NaN, infinite or not a number); dropped, the span is kept",
+                    key,
+                )
         resp = ExportTraceServiceResponse()
         if rejected:
             resp.partial_success.rejected_spans = rejected
             resp.partial_success.error_message = (
                 f"{rejected} LLM request span(s) rejected; first: {first_reason}"
+            )[:512]
+        elif dropped:  # a warning: every span was accepted, some attributes were not
+            resp.partial_success.error_message = (
+                f"{len(dropped)} span attribute(s) with unusable values dropped; "
+                f"first: {dropped[0]}"
             )[:512]
         return resp
 
@@ -573,10 +658,19 @@ class OtlpReceiver:
 
     # ---- self metrics ----------------------------------------------------------------
     def add_samples(self, batch: Batch) -> None:
-        """Add ``kvpressure_otlp_requests_total{result}`` and ``..._spans_received_total``."""
+        """Add the receiver's counters to ``batch``.
+
+        ``kvpressure_otlp_requests_total{result}``,
+        ``kvpressure_otlp_spans_received_total{result}`` and
+        ``kvpressure_otlp_span_attributes_dropped_total{attribute}`` (the attribute keys are
+        the receiver's own fixed set, so the label is bounded).
+        """
         with self._c.lock:
             requests = sorted(self._c.requests.items())
             spans = sorted(self._c.spans.items())
+            attributes = sorted(self._c.attributes.items())
+        for key, n in attributes:
+            batch.add(ATTRIBUTES_DROPPED_METRIC, n, attribute=key)
         for result, n in requests:
             batch.add(REQUESTS_METRIC, n, result=result)
         for result, n in spans:

@@ -28,6 +28,7 @@ metric                                                NVML source (``nvidia-smi`
 ``kvpressure_gpu_power_watts``                        ``nvmlDeviceGetPowerUsage`` mW / 1000
 ``kvpressure_gpu_temperature_celsius``                ``nvmlDeviceGetTemperature`` (GPU sensor)
 ``kvpressure_gpu_process_memory_bytes``               ``nvmlDeviceGetComputeRunningProcesses``
+                                                      and ``...GraphicsRunningProcesses``
                                                       (``--query-compute-apps=pid,used_memory``)
 ``kvpressure_gpu_xid_errors_total``                   ``nvmlEventSetWait_v2`` XID events
 ====================================================  =========================================
@@ -56,6 +57,26 @@ physical GPU.
 * No NVML library at all (``libnvidia-ml.so.1`` or nvidia-ml-py missing) disables the sampler
   with one log line and ``kvpressure_source_unsupported{source="nvml",
   reason="library_not_found"}``; it is re-probed quietly every :data:`DISABLED_REPROBE_S`.
+
+**Values that cannot be true are dropped and counted, the rest of the sample kept** (issue 17,
+kind 2), in ``kvpressure_gpu_values_dropped_total{reason}``: a process PID outside
+``1..PID_MAX_LIMIT`` (real drivers list PID 0 and 4294967295) is ``process_pid_invalid``; a
+process holding more than the device's total (the host's MemTotal on unified memory) is
+``process_memory_above_total``; a PID listed twice by one call is one process
+(``process_duplicate``, one row kept, never summed); a memory reading whose used, free or
+reserved exceeds its total is dropped whole (``memory_above_total``), a utilization outside
+0-100 % too (``utilization_out_of_range``). Compute and graphics process lists are
+both read and merged per PID (a process with both contexts is in both). A PID the agent's
+procfs lacks (the engine in another PID namespace) is mapped through the ``NSpid:`` lines of
+``<procfs>/*/status`` when exactly one process has it.
+
+**Unified memory.** Where NVML answers memory with the system's own total (GB10 and other
+integrated parts, a Grace superchip reporting the coherent memory, or any part whose total is
+within 1 % of the host's MemTotal: :func:`is_unified_total`), the device is flagged
+``unified_memory="true"``; NVML's total/used/free (host figures) are not exported as GPU
+memory: ``kvpressure_gpu_memory_used_bytes`` is the sum of the device's processes and
+``kvpressure_gpu_unified_memory_available_bytes`` the host's MemAvailable (shared-memory
+pressure). The latter is also exported where memory is NOT_SUPPORTED on such a part (case 01).
 
 **Bounded NVML calls.** NVML can hang (a wedged GSP, dcgm-exporter#84). Each cycle reads the
 GPUs in one pass on a pooled worker thread while the sampler watches it: a GPU still inside its
@@ -127,6 +148,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import queue
 import threading
 import time
@@ -159,9 +181,33 @@ this often (seconds): the counters are cumulative, processes change slowly and N
 events, so reading them at 10 Hz would only add NVML cost. Between reads the last values are
 exported."""
 
-UNIFIED_MEMORY_PARTS: Final = ("GB10", "Jetson", "Orin", "Thor", "Xavier")
+UNIFIED_MEMORY_PARTS: Final = ("GB10", "DGX Spark", "Jetson", "Orin", "Thor", "Xavier")
 """Name fragments of integrated/unified-memory parts: memory NOT_SUPPORTED there is expected
-(``unified_memory``); on any other part it stays ``not_supported`` (gpustat PR #179's rule)."""
+(``unified_memory``); on any other part it stays ``not_supported`` (gpustat PR #179's rule).
+When NVML does answer on these parts, its total is the system's memory (see
+:func:`is_unified_total`)."""
+COHERENT_MEMORY_PARTS: Final = ("GH200", "GB200", "GB300")
+"""Name fragments of Grace superchips: their own HBM is a GPU memory, but some drivers report
+the coherent system memory as the total; a total of at least :data:`COHERENT_TOTAL_SHARE` of
+the host's MemTotal is then unified memory."""
+COHERENT_TOTAL_SHARE: Final = 0.9
+UNIFIED_TOTAL_TOLERANCE: Final = 0.01
+"""Any other part whose NVML total is within this fraction of the host's MemTotal is answering
+with the system's memory (a discrete card matching the host's RAM to 1 % is not expected)."""
+PID_MAX_LIMIT: Final = 4_194_304
+"""Linux's largest possible ``pid_max`` (2^22): an NVML process PID outside ``1..PID_MAX_LIMIT``
+(0 and 4294967295 are seen on real drivers) is impossible and dropped."""
+NSPID_RESCAN_S: Final = 10.0
+"""Seconds between scans of ``<procfs>/*/status`` ``NSpid:`` lines, done only when NVML lists
+a PID that the agent's procfs does not have."""
+DROP_REASONS: Final = (
+    "process_pid_invalid",
+    "process_duplicate",
+    "process_memory_above_total",
+    "memory_above_total",
+    "utilization_out_of_range",
+)
+"""``reason`` values of ``kvpressure_gpu_values_dropped_total``."""
 
 STALL_REASONS: Final = ("idle_with_queue", "memory_bound", "throttled")
 THROTTLE_REASONS: Final = frozenset(
@@ -179,6 +225,14 @@ RUNNING: Final = "kvpressure_engine_requests_running"
 WAITING: Final = "kvpressure_engine_requests_waiting"
 PROMPT_TOKENS: Final = "kvpressure_engine_prompt_tokens_total"
 GENERATION_TOKENS: Final = "kvpressure_engine_generation_tokens_total"
+ENGINE_GPU_VIEWS: Final = {
+    "memory_total": "kvpressure_engine_gpu_memory_total_bytes",
+    "memory_used": "kvpressure_engine_gpu_memory_used_bytes",
+}
+"""Engine metrics that restate an NVML reading (Triton's nv_gpu_*), by signal."""
+DISAGREE_TOTAL_SHARE: Final = 0.01
+DISAGREE_USED_SHARE: Final = 0.05
+DISAGREE_USED_MIN_BYTES: Final = float(2**30)
 
 StateView = Callable[[str], dict[Labels, float]]
 """``AgentState.latest``: metric name → {labels: current value}."""
@@ -426,6 +480,11 @@ class _Leaf:
     gpm_ready: bool = False
     processes: list[tuple[int, float]] | None = None
     unified: str = "false"
+    host_memory: bool = False
+    """NVML answered memory with the system's total (unified memory): not exported as GPU
+    memory; used is derived from the processes."""
+    dropped: Counter[str] = field(default_factory=Counter)
+    """Impossible NVML values dropped on this device, by ``DROP_REASONS`` reason."""
     static: tuple[Sample, ...] = ()
     static_key: tuple[str, str, str] | None = None
     _lab: dict[tuple[str, str], Labels] = field(default_factory=dict)
@@ -592,6 +651,8 @@ class _Gpu:
 
 @dataclass(slots=True)
 class _Engines:
+    gpu_views: dict[tuple[str, str], dict[str, float]] = field(default_factory=dict)
+    """(uuid, signal) -> engine -> the engine's own GPU reading (bytes)."""
     running: dict[str, float] = field(default_factory=dict)
     waiting: dict[str, float] = field(default_factory=dict)
     tokens: dict[str, float | None] = field(default_factory=dict)
@@ -677,6 +738,9 @@ class GpuSampler(Sampler):
         self._slow_interval = max(interval_s, SLOW_INTERVAL_S)
         self._xid_at = 0.0
         self._pids_cache: dict[int, str] | None = None
+        self._nspid: dict[int, int] = {}
+        self._nspid_at = -math.inf
+        self._host_total: tuple[float, float | None] = (-math.inf, None)
 
     # ---- lifecycle -------------------------------------------------------------------------
     def close(self) -> None:
@@ -1141,20 +1205,49 @@ class GpuSampler(Sampler):
         h = leaf.handle
         r = _LeafReading(leaf)
         mem = self._opt(leaf, r, "memory", now, nv.memory_info, h)
-        if mem is not None:
+        host_total = self._host_memory_total(now)
+        if (
+            mem is not None
+            and leaf.mig is None  # a MIG slice is a share of the GPU's own memory
+            and is_unified_total(leaf.name, float(mem.total), host_total)
+        ):
+            if not leaf.host_memory:
+                log.warning(
+                    "GPU %s (%s): NVML reports %.1f GiB of memory, the system's (MemTotal "
+                    "%.1f GiB): unified memory; GPU used is derived from the processes",
+                    leaf.source,
+                    leaf.name,
+                    float(mem.total) / 2**30,
+                    (host_total or 0.0) / 2**30,
+                )
+            leaf.host_memory = True
+            leaf.unified = "true"
+            r.unsupported.append(("memory", "unified_memory"))
+        elif mem is not None:
+            leaf.host_memory = False
             reserved = getattr(mem, "reserved", None)
-            r.memory = (
+            memory = (
                 float(mem.total),
                 float(mem.used),
                 float(mem.free),
                 None if reserved is None else float(reserved),
             )
+            total = memory[0]
+            if not all(v is None or 0 <= v <= total for v in memory[1:]):
+                # used, free or reserved above the total cannot be true: the whole reading
+                # is suspect (the four come from one struct), the rest of the GPU is kept
+                self._drop(leaf, "memory_above_total", f"{memory}")
+            else:
+                r.memory = memory
             if leaf.unified != "true":
                 leaf.unified = "false"
         util = self._opt(leaf, r, "utilization", now, nv.call, "nvmlDeviceGetUtilizationRates", h)
         if util is not None:
-            r.utilization = _ratio(util.gpu)
-            r.memory_activity = _ratio(util.memory)
+            if 0 <= util.gpu <= 100 and 0 <= util.memory <= 100:
+                r.utilization = _ratio(util.gpu)
+                r.memory_activity = _ratio(util.memory)
+            else:
+                self._drop(leaf, "utilization_out_of_range", f"gpu={util.gpu} memory={util.memory}")
         if physical:
             power = self._opt(leaf, r, "power", now, nv.call, "nvmlDeviceGetPowerUsage", h)
             r.power_w = None if power is None else float(power) / 1000.0
@@ -1169,22 +1262,104 @@ class GpuSampler(Sampler):
             return r
         if not slow:
             r.processes = leaf.processes
-            r.unsupported.extend(_skips(leaf, ("processes",)))
+            r.unsupported.extend(_skips(leaf, ("processes", "graphics_processes")))
             return r
         leaf.processes = None
-        procs = self._opt(leaf, r, "processes", now, nv.compute_processes, h)
-        if procs is not None:
+        compute = self._opt(leaf, r, "processes", now, nv.compute_processes, h)
+        graphics = self._opt(leaf, r, "graphics_processes", now, nv.graphics_processes, h)
+        if compute is not None or graphics is not None:
+            if r.memory is not None:
+                limit: float | None = r.memory[0]
+            else:
+                limit = host_total if leaf.unified == "true" else None
             found: list[tuple[int, float]] = []
-            for p in procs:
-                used = getattr(p, "usedGpuMemory", None)
-                if used is None:
-                    continue
-                pid = int(p.pid)
-                found.append((pid, float(used)))
+            for nvml_pid, used in self._clean_processes(leaf, compute or (), graphics or (), limit):
+                pid = self._local_pid(nvml_pid, now)
+                found.append((pid, used))
                 if pid not in self._proc_names:
-                    self._proc_names[pid] = self._process_name(pid)
+                    self._proc_names[pid] = self._process_name(nvml_pid)
             leaf.processes = r.processes = found
         return r
+
+    def _clean_processes(
+        self, leaf: _Leaf, compute: Iterable[Any], graphics: Iterable[Any], limit: float | None
+    ) -> list[tuple[int, float]]:
+        """Merge NVML's compute and graphics process rows, dropping impossible ones.
+
+        Args:
+            leaf: the device (its ``dropped`` counter is updated).
+            compute: ``nvmlDeviceGetComputeRunningProcesses`` rows (``pid``,
+                ``usedGpuMemory`` bytes or ``None``).
+            graphics: ``nvmlDeviceGetGraphicsRunningProcesses`` rows, same shape.
+            limit: the most memory one process can hold, bytes (the device's total, or the
+                host's MemTotal on unified memory); ``None`` when unknown.
+
+        Returns:
+            ``(NVML pid, used bytes)`` once per PID. A PID outside ``1..PID_MAX_LIMIT``
+            (``process_pid_invalid``) and a row holding more than ``limit``
+            (``process_memory_above_total``) are dropped; a PID listed twice by one call is
+            one process (``process_duplicate``; the rows are copies, so the larger is kept,
+            never the sum), as is a PID in both lists (a process with compute and graphics
+            contexts, not counted). Rows without a memory figure are left out.
+        """
+        rows: dict[int, float | None] = {}
+        for listing in (compute, graphics):
+            seen: set[int] = set()
+            for p in listing:
+                try:
+                    pid = int(getattr(p, "pid", 0))
+                except (TypeError, ValueError):
+                    pid = 0
+                if not 0 < pid <= PID_MAX_LIMIT:
+                    self._drop(leaf, "process_pid_invalid", f"pid {pid}")
+                    continue
+                raw = getattr(p, "usedGpuMemory", None)
+                used = None if raw is None else float(raw)
+                if used is not None and (
+                    not math.isfinite(used) or used < 0 or (limit is not None and used > limit)
+                ):
+                    self._drop(leaf, "process_memory_above_total", f"pid {pid}, {used:.0f} B")
+                    continue
+                if pid in seen:
+                    self._drop(leaf, "process_duplicate", f"pid {pid}")
+                seen.add(pid)
+                prev = rows.get(pid)
+                rows[pid] = used if prev is None else (prev if used is None else max(prev, used))
+        return [(pid, used) for pid, used in rows.items() if used is not None]
+
+    def _drop(self, leaf: _Leaf, reason: str, detail: str) -> None:
+        """Count an impossible NVML value dropped on ``leaf`` (one of :data:`DROP_REASONS`)."""
+        leaf.dropped[reason] += 1
+        self._log_once(
+            f"{leaf.source}:{reason}",
+            logging.WARNING,
+            "GPU %s: impossible NVML value dropped (%s): %s; the rest of the sample is kept",
+            leaf.source,
+            reason,
+            detail,
+        )
+
+    def _local_pid(self, pid: int, now: float) -> int:
+        """The PID in the agent's PID namespace of an NVML process PID.
+
+        A PID the agent's procfs has is taken as it is. Otherwise it is looked up among the
+        inner-namespace PIDs of ``<procfs>/*/status`` ``NSpid:`` lines (a process in a
+        container: ``NSpid: 48213 7`` is PID 7 inside, 48213 here); a PID found in exactly
+        one process is mapped, any other is kept unmapped. The scan runs at most every
+        :data:`NSPID_RESCAN_S` seconds.
+        """
+        if (self._procfs / str(pid)).exists():
+            return pid
+        if now >= self._nspid_at:
+            self._nspid_at = now + NSPID_RESCAN_S
+            self._nspid = nspid_index(self._procfs)
+        return self._nspid.get(pid, pid)
+
+    def _host_memory_total(self, now: float) -> float | None:
+        """``MemTotal`` of ``<procfs>/meminfo`` in bytes (re-read every :data:`REFRESH_S`)."""
+        if now >= self._host_total[0]:
+            self._host_total = (now + REFRESH_S, _meminfo(self._procfs).get("MemTotal"))
+        return self._host_total[1]
 
     def _process_name(self, pid: int) -> str:
         try:
@@ -1335,6 +1510,11 @@ class GpuSampler(Sampler):
         view = self._state_view
         if view is None:
             return out
+        for signal, metric in ENGINE_GPU_VIEWS.items():
+            for labels, value in view(metric).items():
+                engine, uuid = _label(labels, "engine"), _label(labels, "uuid")
+                if engine is not None and uuid is not None:
+                    out.gpu_views.setdefault((uuid, signal), {})[engine] = value
         for metric, target in ((RUNNING, out.running), (WAITING, out.waiting)):
             for labels, value in view(metric).items():
                 engine = _label(labels, "engine")
@@ -1464,6 +1644,8 @@ class GpuSampler(Sampler):
             out.extend(self._static_samples(leaf))
             if lr.memory is not None:
                 total, used, free, reserved = lr.memory
+                if engines.gpu_views and leaf.mig is None:
+                    self._disagreement(out, leaf, lr.memory, engines)
                 out.append(Sample("kvpressure_gpu_memory_total_bytes", total, lab))
                 out.append(Sample("kvpressure_gpu_memory_used_bytes", used, lab))
                 out.append(Sample("kvpressure_gpu_memory_free_bytes", free, lab))
@@ -1494,6 +1676,25 @@ class GpuSampler(Sampler):
             for pid, used in lr.processes or ():
                 plab = leaf.process_labels(pid, self._proc_names.get(pid, ""), proc_engine.get(pid))
                 out.append(Sample("kvpressure_gpu_process_memory_bytes", used, plab))
+            if leaf.host_memory and lr.processes is not None:
+                used_sum = math.fsum(u for _, u in lr.processes)
+                out.append(Sample("kvpressure_gpu_memory_used_bytes", used_sum, lab))
+            if leaf.unified == "true":
+                _put(
+                    out,
+                    "kvpressure_gpu_unified_memory_available_bytes",
+                    _meminfo(self._procfs).get("MemAvailable"),
+                    lab,
+                )
+            # every device read carries its counters, 0 until something is dropped
+            for reason in DROP_REASONS:
+                out.append(
+                    Sample(
+                        "kvpressure_gpu_values_dropped_total",
+                        float(leaf.dropped[reason]),
+                        leaf.lab("reason", reason),
+                    )
+                )
             for name, reason in lr.unsupported:
                 batch.source_unsupported(f"{leaf.source}.{name}", reason)
             stall_leaf = not (leaf.mig is None and g.mig_enabled)
@@ -1512,6 +1713,44 @@ class GpuSampler(Sampler):
                     Sample("kvpressure_gpu_xid_errors_total", float(n), g.leaf.lab("xid", str(xid)))
                 )
         batch.source_ok(f"gpu{g.index}")
+
+    def _disagreement(
+        self,
+        out: list[Sample],
+        leaf: _Leaf,
+        memory: tuple[float, float, float, float | None],
+        engines: _Engines,
+    ) -> None:
+        """Flag engines whose own GPU memory reading disagrees with NVML's (NVML wins).
+
+        ``kvpressure_gpu_engine_disagreement{engine,signal}`` is 1 when the engine's total
+        differs from NVML's by more than :data:`DISAGREE_TOTAL_SHARE` of it, or its used
+        from NVML's used + reserved (what v1 ``nvmlDeviceGetMemoryInfo``, and so the engine,
+        calls used) by more than :data:`DISAGREE_USED_SHARE` of the total and
+        :data:`DISAGREE_USED_MIN_BYTES` (the two are read at different moments); else 0.
+        """
+        total, used, _free, reserved = memory
+        nvml = {"memory_total": total, "memory_used": used + (reserved or 0.0)}
+        for signal, reference in nvml.items():
+            for engine, value in sorted(engines.gpu_views.get((leaf.uuid, signal), {}).items()):
+                if signal == "memory_total":
+                    off = abs(value - reference) > DISAGREE_TOTAL_SHARE * total
+                else:
+                    limit = max(DISAGREE_USED_SHARE * total, DISAGREE_USED_MIN_BYTES)
+                    off = abs(value - reference) > limit
+                if off:
+                    self._log_once(
+                        f"disagree:{leaf.uuid}:{engine}:{signal}",
+                        logging.WARNING,
+                        "GPU %s: engine %s reports %s %.0f bytes, NVML %.0f; NVML's is exported",
+                        leaf.source,
+                        engine,
+                        signal,
+                        value,
+                        reference,
+                    )
+                labels = make_labels({**dict(leaf.labels), "engine": engine, "signal": signal})
+                out.append(Sample("kvpressure_gpu_engine_disagreement", float(off), labels))
 
     def _static_samples(self, leaf: _Leaf) -> tuple[Sample, ...]:
         """``gpu_up 1`` and ``gpu_info``, rebuilt only when the identity changes."""
@@ -1678,6 +1917,82 @@ def _sum(values: dict[str, float], keys: Iterable[str]) -> float | None:
 
 def _skips(leaf: _Leaf, names: Iterable[str]) -> list[tuple[str, str]]:
     return [(n, leaf.skip[n][1]) for n in names if n in leaf.skip]
+
+
+def is_unified_total(name: str, total: float, host_total: float | None) -> bool:
+    """Return True when an NVML memory total is the system's memory (unified memory).
+
+    Args:
+        name: ``nvmlDeviceGetName``, e.g. ``"NVIDIA GB10"``.
+        total: ``nvmlDeviceGetMemoryInfo`` total, bytes.
+        host_total: the host's ``/proc/meminfo`` MemTotal in bytes, or ``None``.
+
+    Returns:
+        True for integrated parts (:data:`UNIFIED_MEMORY_PARTS`) whatever the total; for
+        Grace superchips (:data:`COHERENT_MEMORY_PARTS`) when the total is at least
+        :data:`COHERENT_TOTAL_SHARE` of MemTotal; for any other part when the total is within
+        :data:`UNIFIED_TOTAL_TOLERANCE` of MemTotal. False when MemTotal is unknown (except
+        integrated parts).
+    """
+    low = name.lower()
+    if any(p.lower() in low for p in UNIFIED_MEMORY_PARTS):
+        return True
+    if host_total is None or host_total <= 0 or total <= 0:
+        return False
+    if any(p.lower() in low for p in COHERENT_MEMORY_PARTS):
+        return total >= COHERENT_TOTAL_SHARE * host_total
+    return abs(total / host_total - 1.0) <= UNIFIED_TOTAL_TOLERANCE
+
+
+def nspid_index(procfs: Path) -> dict[int, int]:
+    """Map inner-namespace PIDs to PIDs in ``procfs``'s namespace, from ``NSpid:`` lines.
+
+    Args:
+        procfs: the procfs root (``/proc``); reads ``<procfs>/<pid>/status``.
+
+    Returns:
+        ``{inner pid: pid here}`` for every PID of a nested namespace that belongs to exactly
+        one process (a PID two containers both use is ambiguous and left out). Empty when
+        nothing is nested or procfs cannot be read.
+    """
+    found: dict[int, int] = {}
+    ambiguous: set[int] = set()
+    try:
+        entries = [e.name for e in os.scandir(procfs) if e.name.isdigit()]
+    except OSError:
+        return {}
+    for name in entries:
+        try:
+            text = (procfs / name / "status").read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            continue
+        for line in text.splitlines():
+            if line.startswith("NSpid:"):
+                ids = [int(x) for x in line.split()[1:] if x.isdigit()]
+                for inner in ids[1:]:
+                    if found.get(inner, ids[0]) != ids[0]:
+                        ambiguous.add(inner)
+                    found[inner] = ids[0]
+                break
+    for pid in ambiguous:
+        found.pop(pid, None)
+    return found
+
+
+def _meminfo(procfs: Path) -> dict[str, float]:
+    """``MemTotal`` and ``MemAvailable`` of ``<procfs>/meminfo`` in bytes ({} if unreadable)."""
+    out: dict[str, float] = {}
+    try:
+        text = (procfs / "meminfo").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return out
+    for line in text.splitlines():
+        key, _, rest = line.partition(":")
+        if key in ("MemTotal", "MemAvailable"):
+            parts = rest.split()
+            if parts and parts[0].isdigit():
+                out[key] = float(parts[0]) * (1024 if parts[1:] == ["kB"] else 1)
+    return out
 
 
 def _ppid(procfs: Path, pid: int) -> int | None:

@@ -12,7 +12,7 @@ Everything the GPU sampler asks of the driver goes through an :class:`NvmlBindin
   ``nvmlDeviceGetMemoryInfo_v2`` or rejects the struct version; likewise
   ``nvmlDeviceGetCurrentClocksEventReasons`` → ``...ThrottleReasons`` (pre-R535 drivers),
   ``nvmlDeviceGetTemperature`` → ``nvmlDeviceGetTemperatureV`` (CUDA 14 removes the former) and
-  ``nvmlDeviceGetComputeRunningProcesses`` (v3) → ``_v2``.
+  ``nvmlDeviceGet{Compute,Graphics}RunningProcesses`` (v3) → ``_v2``.
 * **A missing driver function is logged once** and never called again until re-init.
 
 :func:`bind` returns a binding over the real library (``"nvml"``) or over the recorded-behaviour
@@ -527,6 +527,24 @@ class NvmlBinding:
                     raise
         return list(self.call("nvmlDeviceGetComputeRunningProcesses_v2", handle))
 
+    def graphics_processes(self, handle: Any) -> list[Any]:
+        """Return graphics processes on a device (``nvmlDeviceGetGraphicsRunningProcesses``).
+
+        Same shape and fallback (v3, then ``_v2``) as :meth:`compute_processes`; a process
+        with both a compute and a graphics context is listed by both calls
+        (``nvidia-smi --query-compute-apps`` lists only the compute ones).
+
+        Raises:
+            NvmlError: the call failed.
+        """
+        if self.has("nvmlDeviceGetGraphicsRunningProcesses"):
+            try:
+                return list(self.call("nvmlDeviceGetGraphicsRunningProcesses", handle))
+            except NvmlError as exc:
+                if exc.kind != FUNCTION_NOT_FOUND:
+                    raise
+        return list(self.call("nvmlDeviceGetGraphicsRunningProcesses_v2", handle))
+
     def new_gpm_metrics_get(self) -> Any:
         """Return an empty ``c_nvmlGpmMetricsGet_t`` (or the fake's equivalent).
 
@@ -587,7 +605,8 @@ def bind(spec: str = "nvml", **fake_options: Any) -> NvmlBinding:
 
     Args:
         spec: ``"nvml"`` for the real library, or ``"fake:<profile>"`` for a fake loaded from
-            ``agent/samplers/fake_nvml/profiles/<profile>.yaml`` (e.g. ``fake:h200``).
+            ``agent/samplers/fake_nvml/profiles/<profile>.yaml`` (e.g. ``fake:h200``) or
+            from a profile file (``fake:/path/profile.yaml``).
         **fake_options: passed to :class:`agent.samplers.fake_nvml.FakeNvml` (``clock``,
             ``gpus``, fault overrides); rejected for ``"nvml"``.
 

@@ -9,7 +9,11 @@ the type's mapping (:mod:`~agent.samplers.engines.normalize`) and runs the type'
 * ``kvpressure_engine_up{engine,instance}``: 1 when the endpoint answered with usable
   exposition (an empty 2xx body included), 0 otherwise;
 * ``kvpressure_engine_scrape_samples``, ``kvpressure_engine_parse_errors_total``
-  (cumulative), ``kvpressure_engine_restarts_total``;
+  (cumulative), ``kvpressure_engine_restarts_total``,
+  ``kvpressure_engine_series_merged_total{reason}`` (cumulative: ``duplicate`` repeated
+  series dropped, ``per_process`` rows collapsed), and, once normalized,
+  ``kvpressure_engine_models_dropped`` (models over the cap in the last scrape) and
+  ``kvpressure_engine_counters_withheld`` (per-model counters the engine does not count);
 * ``kvpressure_engine_info{engine,instance,type,model}`` (``type="unknown"`` until known).
 
 An engine that is down is data, not a sampler failure: :meth:`EngineSampler.collect` does
@@ -39,6 +43,8 @@ from agent.samplers.engines.exposition import (
 )
 from agent.samplers.engines.http import Fetch, HttpResult, http_get
 from agent.samplers.engines.normalize import (
+    MERGE_DUPLICATE,
+    MERGE_PER_PROCESS,
     AddonContext,
     EngineAddon,
     EngineMapping,
@@ -192,6 +198,9 @@ class EngineSampler(Sampler):
         self._normalizer: Normalizer | None = None
         self._addon: EngineAddon | None = None
         self._parse_errors = 0
+        self._merged = dict.fromkeys((MERGE_DUPLICATE, MERGE_PER_PROCESS), 0)
+        self._models_dropped: int | None = None
+        self._withheld: int | None = None
         self._models: list[str] = []
         self._failing = ""
         if engine_type != AUTO:
@@ -270,6 +279,10 @@ class EngineSampler(Sampler):
         batch.add("kvpressure_engine_scrape_samples", result.sample_count, **labels)
         batch.add("kvpressure_engine_parse_errors_total", self._parse_errors, **labels)
         batch.add("kvpressure_engine_restarts_total", self.restarts, **labels)
+        for reason, count in self._merged.items():
+            batch.add("kvpressure_engine_series_merged_total", count, reason=reason, **labels)
+        batch.add("kvpressure_engine_models_dropped", self._models_dropped, **labels)
+        batch.add("kvpressure_engine_counters_withheld", self._withheld, **labels)
         models: list[str | None] = list(self._models) or [None]
         for model in models:
             batch.add(
@@ -293,6 +306,10 @@ class EngineSampler(Sampler):
         ctx = AddonContext(self.engine, self.instance, batch, fetch)
         default_model = self._addon.before(ctx) if self._addon else None
         scrape = self._normalizer.normalize(result, default_model)
+        for reason, count in scrape.merged.items():
+            self._merged[reason] = self._merged.get(reason, 0) + count
+        self._models_dropped = scrape.models_dropped
+        self._withheld = scrape.withheld
         if scrape.restarted:
             log.info(
                 "engine %s (%s): restart detected (counter reset or new process start time)",

@@ -19,6 +19,14 @@ Matching (cases 09, 13, 14):
   duplicate-family warning is logged once. A renamed metric is a one-line change: put the
   new name first in ``sources``.
 
+One fact once (issue 17, kind 1): :class:`MetricIndex` keeps a repeated series (same
+name and labels, e.g. a family written twice) once, the last copy winning, and collapses
+series that differ only by a per-process label (``pid``, ``prometheus_client``'s
+multiprocess mode) by what the sample is: counters and histogram buckets are summed,
+gauges take the live value (:func:`collapse_per_process`). Copies are never summed; both
+are counted (``NormalizedScrape.merged``, exported as
+``kvpressure_engine_series_merged_total{reason}``).
+
 Values:
 
 * Non-finite values are skipped; values outside ``Rule.valid`` are invalid: dropped (not
@@ -39,8 +47,10 @@ Labels: output samples carry ``engine`` (the configured engine name), ``instance
 e.g. llama.cpp's ``/props`` alias), plus the rule's constant ``out_labels`` (``tier``,
 ``phase``, ...) and the source labels it keeps (``keep_labels``, renamed, e.g. vLLM's
 ``reason``). Every other engine label (vLLM's data-parallel ``engine`` index, ``mode``,
-...) is combined away. At most ``max_models`` (32) distinct models are kept per engine;
-samples of further models are dropped with a log-once. A rule with ``per_model=False``
+...) is combined away. At most ``max_models`` (32) distinct models are kept per engine: the
+ones under the most pressure (KV usage, then running, then waiting requests); samples of
+further models are dropped, counted (``NormalizedScrape.models_dropped``) and logged once
+per change of the dropped set. A rule with ``per_model=False``
 combines all models into one series without a ``model`` label.
 
 Histograms (``kind="histogram"``): the rule's source is a histogram family; per raw
@@ -50,7 +60,13 @@ deltas of the series that combine into one output group, and emits the windowed
 quantiles ``Rule.quantiles`` as gauge samples with a ``percentile`` label (``p50``,
 ``p95``, ``p99``; not ``quantile``, which Prometheus reserves for summaries). Resets and
 sparse windows are handled there (no quantile with fewer than ``min_count`` observations
-in the window).
+in the window). Beside the quantiles, the number of observations in the window is emitted
+(:func:`window_observations_name`, e.g. ``kvpressure_engine_latency_window_observations``),
+also when it is below ``min_count``: an absent quantile then says why.
+
+Counters the engine never increments for a model (:data:`TRAFFIC_COUNTERS` still 0 while
+another of them moved for that model) are withheld, never exported as zero traffic (issue
+17, kind 6).
 
 Window ratios (:class:`WindowRatio`): a ratio of two of the mapping's own re-exported
 counters over the last window (vLLM's prefix-cache hit ratio), emitted only where the
@@ -267,28 +283,125 @@ def looks_like_gauge(name: str, help_text: str) -> bool:
     return bool(_GAUGE_HELP.search(help_text))
 
 
+PER_PROCESS_LABELS: Final = frozenset({"pid"})
+"""Labels that only say which process wrote a sample (``prometheus_client``'s multiprocess
+mode adds ``pid`` to gauges in ``all``/``liveall`` mode); series differing only by them are
+one fact, collapsed by :func:`collapse_per_process`."""
+
+MERGE_DUPLICATE: Final = "duplicate"
+MERGE_PER_PROCESS: Final = "per_process"
+
+
+def is_additive(name: str, family: ParsedFamily) -> bool:
+    """Return True when copies of sample ``name`` from several processes add up.
+
+    Counters (not averages, see :func:`looks_like_gauge`) and the ``_bucket``/``_count``/
+    ``_sum`` samples of histograms and summaries are additive; gauges, info and
+    ``_created`` samples are not. An ``unknown``/``untyped`` family is judged by the
+    sample's suffix (``_total``, ``_bucket``, ``_count``, ``_sum``).
+
+    Args:
+        name: the sample name.
+        family: the family the sample came in (type and HELP as the engine declared them).
+    """
+    if name.endswith("_created") or family.type in ("gauge", "info", "stateset"):
+        return False
+    if family.type in ("histogram", "summary", "gaugehistogram"):
+        return True
+    if family.type == "counter" or name.endswith("_total"):
+        return not looks_like_gauge(name, family.help)
+    return family.type in ("untyped", "unknown") and name.endswith(("_bucket", "_count", "_sum"))
+
+
+def collapse_per_process(name: str, family: ParsedFamily, values: list[float]) -> float:
+    """Collapse the per-process copies of one series into its one value.
+
+    Rule: additive samples (:func:`is_additive`: counters, histogram buckets, counts and
+    sums) are the **sum** of the processes' values, since each process counted its own
+    events. Anything else (a gauge) is one fact that several processes hold a copy of, so
+    never a sum: its **live value** is the largest non-zero copy, and 0 only when every
+    copy is 0. Why non-zero: ``prometheus_client``'s multiprocess files hold 0 for every
+    process that declared the gauge but never set it (the API servers beside the one
+    engine core that does), so the non-zero row is the one that is being written. Why the
+    largest when several are non-zero: the exposition carries no timestamps, so the most
+    recent copy cannot be told apart, and for a pressure signal the conservative reading
+    is the highest (a dead process's stale copy lasts only until the client marks it dead).
+    ``_created`` samples take the earliest.
+
+    Args:
+        name: the sample name.
+        family: its family.
+        values: the copies' values (at least one).
+
+    Returns:
+        The one value; non-finite copies are ignored unless all are.
+    """
+    finite = [v for v in values if math.isfinite(v)] or values[:1]
+    if name.endswith("_created"):
+        return min(finite)
+    if is_additive(name, family):
+        return math.fsum(finite)
+    nonzero = [v for v in finite if v != 0]
+    return max(nonzero) if nonzero else finite[0]
+
+
 class MetricIndex:
     """The scrape's samples, looked up by sample name or by family name.
 
+    Every series is one fact, kept once (kind 1 of issue 17):
+
+    * a **repeated series** (same sample name and labels, e.g. a family written twice with
+      its ``# TYPE`` repeated) is kept once, the last copy winning; the dropped copies are
+      counted in :attr:`duplicates`;
+    * series that differ only by a per-process label (:data:`PER_PROCESS_LABELS`) are
+      collapsed into one series without that label by :func:`collapse_per_process`
+      (counters summed, gauges take the live value); the rows folded away are counted in
+      :attr:`collapsed`.
+
     Args:
         families: parsed families (see :mod:`agent.samplers.engines.exposition`).
+
+    Attributes:
+        duplicates: repeated samples dropped (copies beyond the one kept).
+        collapsed: per-process rows folded into another row.
+        family_names: family names in body order.
     """
 
     def __init__(self, families: Iterable[ParsedFamily]) -> None:
         self._by_sample: dict[str, list[Series]] = {}
         self._by_family: dict[str, list[Series]] = {}
         self.family_names: list[str] = []
+        self.duplicates = 0
+        self.collapsed = 0
+        latest: dict[tuple[str, LabelPairs], Series] = {}
         for fam in families:
             self.family_names.append(fam.name)
-            alias = fam.type in ("counter", "gauge", "untyped", "unknown")
             for s in fam.samples:
-                series = Series(s.name, s.labels, s.value, fam)
-                self._by_sample.setdefault(s.name, []).append(series)
-                if alias and s.name.endswith("_total"):
-                    # a counter's samples are found under the name without ``_total`` too,
-                    # whether the family was declared with it (text format) or without
-                    # (OpenMetrics, or a text body that split it into an unknown family)
-                    self._by_family.setdefault(s.name[: -len("_total")], []).append(series)
+                key = (s.name, tuple(sorted(s.labels.items())))
+                if latest.pop(key, None) is not None:
+                    self.duplicates += 1  # a repeated series: the last copy wins
+                latest[key] = Series(s.name, s.labels, s.value, fam)
+        groups: dict[tuple[str, LabelPairs], list[Series]] = {}
+        for (name, pairs), series in latest.items():
+            kept = tuple(p for p in pairs if p[0] not in PER_PROCESS_LABELS)
+            groups.setdefault((name, kept), []).append(series)
+        for (name, pairs), copies in groups.items():
+            one = copies[-1]
+            if len(copies) > 1 or len(pairs) != len(one.labels):
+                self.collapsed += len(copies) - 1
+                value = collapse_per_process(name, one.family, [c.value for c in copies])
+                one = Series(name, dict(pairs), value, one.family)
+            self._add(one)
+
+    def _add(self, series: Series) -> None:
+        fam = series.family
+        name = series.name
+        self._by_sample.setdefault(name, []).append(series)
+        if fam.type in ("counter", "gauge", "untyped", "unknown") and name.endswith("_total"):
+            # a counter's samples are found under the name without ``_total`` too,
+            # whether the family was declared with it (text format) or without
+            # (OpenMetrics, or a text body that split it into an unknown family)
+            self._by_family.setdefault(name[: -len("_total")], []).append(series)
 
     def exact(self, name: str) -> list[Series]:
         """Samples named ``name``, else samples of the family ``name``; exact spelling only."""
@@ -437,6 +550,12 @@ class NormalizedScrape:
         missing: canonical names none of whose sources were in the scrape.
         invalid: canonical names whose source had a value outside ``Rule.valid``.
         restarted: True when a counter reset or ``process_start_time_seconds`` changed.
+        merged: exposition samples folded into another this scrape, by reason
+            (``duplicate``: a repeated series; ``per_process``: a row differing only by
+            ``pid``); see :class:`MetricIndex`.
+        models_dropped: models over ``max_models`` whose samples were dropped this scrape.
+        withheld: per-model traffic counters (:data:`TRAFFIC_COUNTERS`) not exported this
+            scrape because they stay 0 for a model whose other traffic counters moved.
     """
 
     samples: list[Sample] = field(default_factory=list)
@@ -446,6 +565,9 @@ class NormalizedScrape:
     missing: list[str] = field(default_factory=list)
     invalid: list[str] = field(default_factory=list)
     restarted: bool = False
+    merged: dict[str, int] = field(default_factory=dict)
+    models_dropped: int = 0
+    withheld: int = 0
 
     def has(self, canonical: str, model: str | None = None) -> bool:
         """True when ``canonical`` was emitted for ``model`` (any model when ``None``)."""
@@ -564,7 +686,8 @@ class Normalizer:
         mapping: the engine's mapping.
         engine: the ``engine`` label value (the configured engine name).
         instance: the ``instance`` label value (``host:port``).
-        max_models: distinct models kept (further ones are dropped and logged once).
+        max_models: distinct models kept (the ones under the most pressure; further ones
+            are dropped, counted and logged once per change).
         clock: monotonic clock in seconds (histogram and ratio windows).
         window_s: length of the histogram quantile windows in seconds.
     """
@@ -589,6 +712,7 @@ class Normalizer:
         self.window_s = window_s
         self._start_time: float | None = None
         self._models: dict[str, int] = {}
+        self._dropped: frozenset[str] = frozenset()
         self._scrape = 0
         self._hist: dict[tuple[str, LabelPairs, LabelPairs], tuple[WindowedHistogram, int]] = {}
         self._ratios: dict[tuple[str, str | None], deque[tuple[float, float, float]]] = {}
@@ -616,6 +740,8 @@ class Normalizer:
         self.tracker.begin()
         out = NormalizedScrape()
         index = MetricIndex(result.families)
+        out.merged = {MERGE_DUPLICATE: index.duplicates, MERGE_PER_PROCESS: index.collapsed}
+        self._log_merges(index)
 
         start = index.value(PROCESS_START_TIME)
         force_reset = (
@@ -652,15 +778,34 @@ class Normalizer:
                 for r, _, b, _ in histograms
                 if r.per_model
                 for m in self._models_of(b, default_model)
-            }
+            },
+            pending,
+            out,
         )
         groups: dict[GroupKey, list[_Pending]] = {}
         for p in pending:
             if p.model is not None and p.model not in admitted:
                 continue
             groups.setdefault((p.canonical, p.model, p.extra), []).append(p)
-        for (canonical, model, extra), items in groups.items():
-            self._emit(out, canonical, model, _combine(items), extra)
+        combined = {key: _combine(items) for key, items in groups.items()}
+        served = {m for (c, m, _), v in combined.items() if c in TRAFFIC_COUNTERS and v > 0}
+        for (canonical, model, extra), value in combined.items():
+            if canonical in TRAFFIC_COUNTERS and value == 0 and model in served:
+                # the model served requests by its other counters, yet this one never moved:
+                # the engine does not count it at this level; absent, not "zero traffic"
+                out.withheld += 1
+                self._log(
+                    f"withheld:{canonical}:{model}",
+                    logging.INFO,
+                    "%s (%s): %s stays 0 for model %r while its other traffic counters move; "
+                    "the engine does not count it per model: not exported",
+                    self.engine,
+                    self.instance,
+                    canonical,
+                    model,
+                )
+                continue
+            self._emit(out, canonical, model, value, extra)
 
         for rule, used, buckets, sums in histograms:
             restarted = (
@@ -749,6 +894,29 @@ class Normalizer:
             return used, series
         return rule.sources[0] if rule.sources else "", []
 
+    def _log_merges(self, index: MetricIndex) -> None:
+        if index.duplicates:
+            self._log(
+                "merge:duplicate",
+                logging.WARNING,
+                "%s (%s): the exposition repeats %d series (same name and labels); "
+                "each is kept once, the last copy wins, never summed",
+                self.engine,
+                self.instance,
+                index.duplicates,
+            )
+        if index.collapsed:
+            self._log(
+                "merge:per_process",
+                logging.INFO,
+                "%s (%s): %d rows differ only by a per-process label (%s); collapsed "
+                "(counters summed, gauges take the live value)",
+                self.engine,
+                self.instance,
+                index.collapsed,
+                ", ".join(sorted(PER_PROCESS_LABELS)),
+            )
+
     def _warn_duplicate(self, source: str, used: str) -> None:
         self._log(
             f"dup:{source}",
@@ -828,6 +996,10 @@ class Normalizer:
             group_deltas.setdefault((model, extra), []).append(window.window(now))
         for (model, extra), deltas in group_deltas.items():
             delta = sum_windows(deltas)
+            if delta is not None:
+                # beside each quantile, how many observations its window holds: a missing
+                # quantile is then "too few observations", not "no data"
+                self._emit(out, window_observations_name(rule.canonical), model, delta.count, extra)
             for q in rule.quantiles:
                 value = window_quantile(delta, q, rule.min_count)
                 if value is not None:
@@ -897,20 +1069,51 @@ class Normalizer:
                 return value
         return default or None
 
-    def _admit(self, present: set[str]) -> set[str]:
-        """Keep at most ``max_models`` models, preferring ones admitted before."""
-        ordered = sorted(present, key=lambda m: (m not in self._models, m))
+    def _admit(self, present: set[str], pending: list[_Pending], out: NormalizedScrape) -> set[str]:
+        """Keep at most ``max_models`` models: the ones under the most pressure.
+
+        Models are ranked by KV-cache usage, then requests running, then requests waiting
+        (the scrape's own values, :data:`PRESSURE_ORDER`); ties go to models admitted
+        before, then to the name. Dropped models are counted in ``out.models_dropped`` and
+        logged once per change of the dropped set, with counts (a warning when their number
+        changes, info when only which models changes).
+        """
+        pressure = _pressure(pending)
+        ordered = sorted(
+            present,
+            key=lambda m: (*(-v for v in pressure.get(m, _NO_PRESSURE)), m not in self._models, m),
+        )
         admitted = set(ordered[: self.max_models])
-        for model in ordered[self.max_models :]:
-            self._log(
-                f"model-cap:{model}",
-                logging.WARNING,
-                "%s (%s): more than %d models; dropping samples of model %r",
-                self.engine,
-                self.instance,
-                self.max_models,
-                model,
-            )
+        dropped = frozenset(ordered[self.max_models :])
+        out.models_dropped = len(dropped)
+        if dropped != self._dropped:
+            if dropped:
+                shown = ", ".join(repr(m) for m in sorted(dropped)[:5])
+                # a new count warns; the same count with other models (pressure moving
+                # between models at the boundary) is logged at info
+                level = logging.WARNING if len(dropped) != len(self._dropped) else logging.INFO
+                log.log(
+                    level,
+                    "%s (%s): %d models, more than the cap of %d; kept the %d under the most "
+                    "pressure (KV usage, running, waiting), dropped %d: %s%s",
+                    self.engine,
+                    self.instance,
+                    len(present),
+                    self.max_models,
+                    len(admitted),
+                    len(dropped),
+                    shown,
+                    ", ..." if len(dropped) > 5 else "",
+                )
+            else:
+                log.info(
+                    "%s (%s): %d models, within the cap of %d again",
+                    self.engine,
+                    self.instance,
+                    len(present),
+                    self.max_models,
+                )
+            self._dropped = dropped
         for model in admitted:
             self._models[model] = self._scrape
         if len(self._models) > 4 * self.max_models:
@@ -961,6 +1164,20 @@ class Normalizer:
 
 
 @functools.lru_cache(maxsize=1024)
+def window_observations_name(canonical: str) -> str:
+    """The catalogue gauge counting the observations behind a windowed-quantile gauge.
+
+    Args:
+        canonical: a histogram rule's canonical name, e.g.
+            ``kvpressure_engine_latency_seconds``.
+
+    Returns:
+        ``canonical`` without its ``_seconds`` unit, plus ``_window_observations``, e.g.
+        ``kvpressure_engine_latency_window_observations``.
+    """
+    return canonical.removesuffix("_seconds") + "_window_observations"
+
+
 def parse_source(source: str) -> tuple[str, LabelPairs]:
     """Split a rule source into its metric name and label filter.
 
@@ -1029,6 +1246,42 @@ def _extra_labels(rule: Rule, labels: Mapping[str, str]) -> LabelPairs | None:
             return None
         kept.append((dst, value))
     return tuple(kept)
+
+
+TRAFFIC_COUNTERS: Final = frozenset(
+    {
+        "kvpressure_engine_requests_completed_total",
+        "kvpressure_engine_prompt_tokens_total",
+        "kvpressure_engine_generation_tokens_total",
+        "kvpressure_engine_request_duration_seconds_total",
+    }
+)
+"""Counters every served request moves. One that is still 0 for a model while another of
+these is above 0 for the same model is not counted by the engine at that level (Triton's
+``ensemble`` model has request counts but no compute time): it is withheld, never exported
+as "zero traffic". When none moved, the zeros are real (an idle model) and exported."""
+
+PRESSURE_ORDER: Final = (
+    "kvpressure_engine_kv_cache_usage_ratio",
+    "kvpressure_engine_requests_running",
+    "kvpressure_engine_requests_waiting",
+)
+"""The catalogue gauges that rank models for the model cap, most important first."""
+_NO_PRESSURE: Final = (0.0,) * len(PRESSURE_ORDER)
+
+
+def _pressure(pending: list[_Pending]) -> dict[str, tuple[float, ...]]:
+    """Per model, the :data:`PRESSURE_ORDER` values of one scrape (0 where absent)."""
+    groups: dict[tuple[str, str, LabelPairs], list[_Pending]] = {}
+    for p in pending:
+        if p.model is not None and p.canonical in PRESSURE_ORDER:
+            groups.setdefault((p.model, p.canonical, p.extra), []).append(p)
+    values: dict[str, list[float]] = {}
+    for (model, canonical, _), items in groups.items():
+        row = values.setdefault(model, list(_NO_PRESSURE))
+        i = PRESSURE_ORDER.index(canonical)
+        row[i] = max(row[i], _combine(items))
+    return {m: tuple(v) for m, v in values.items()}
 
 
 def _combine(items: list[_Pending]) -> float:

@@ -36,6 +36,10 @@ catalogue metric                               Triton metric
                                                (compute), x 1e-6
 ``kvpressure_engine_latency_seconds{phase}``   ``nv_inference_first_response_histogram_ms``
                                                (ttft, ``le`` x 1e-3)
+``kvpressure_engine_gpu_memory_{used,total}``  ``nv_gpu_memory_{used,total}_bytes{gpu_uuid}``
+``_bytes{uuid}``                               (Triton's own GPU view: the GPU sampler's NVML
+                                               reading wins, a disagreement is flagged in
+                                               ``kvpressure_gpu_engine_disagreement``)
 =============================================  =================================================
 
 Cannot provide: prompt/generation token counters (Triton counts inferences, not tokens),
@@ -105,6 +109,16 @@ def _duration(phase: str, source: str) -> Rule:
     )
 
 
+def _gpu(field: str) -> Rule:
+    return Rule(
+        f"kvpressure_engine_gpu_memory_{field}_bytes",
+        (f"nv_gpu_memory_{field}_bytes",),
+        combine="max",
+        keep_labels=(("gpu_uuid", "uuid"),),
+        per_model=False,
+    )
+
+
 MAPPING = EngineMapping(
     engine_type="triton",
     prefixes=("nv_trt_llm_", "nv_inference_"),
@@ -145,6 +159,8 @@ MAPPING = EngineMapping(
         _duration("queue", "nv_inference_queue_duration_us"),
         _duration("compute", "nv_inference_compute_infer_duration_us"),
         latency("ttft", "nv_inference_first_response_histogram_ms", scale=1e-3),
+        _gpu("used"),
+        _gpu("total"),
     ),
     derive=derive,
 )

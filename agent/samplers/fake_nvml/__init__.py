@@ -8,7 +8,9 @@ same code. It implements only the functions the GPU sampler uses.
 
 Profiles are YAML files in ``profiles/`` (package data), one per simulated machine, each with
 provenance notes saying where its values come from. Select one with ``gpu.binding:
-fake:<profile>``. Available: ``h100-sxm`` (8 GPUs), ``h200``, ``a100-80gb-mig`` (two MIG 3g.40gb
+fake:<profile>``, or a profile file with ``fake:/path/profile.yaml`` (``kvpressure gpu
+record FILE`` writes one from a real GPU's NVML answers, errors included). Available:
+``h100-sxm`` (8 GPUs), ``h200``, ``a100-80gb-mig`` (two MIG 3g.40gb
 instances, case 07), ``gb10`` (memory unsupported, case 01), ``lost-after-n`` (case 05) and
 ``driver-mismatch-heals`` (case 06).
 
@@ -26,6 +28,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from importlib import resources
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -54,18 +57,38 @@ def list_profiles() -> list[str]:
     return sorted(p.name.removesuffix(".yaml") for p in root.iterdir() if p.name.endswith(".yaml"))
 
 
+def is_profile_path(name: str) -> bool:
+    """True when ``name`` names a profile file rather than a bundled profile.
+
+    A name with a ``/`` or ending in ``.yaml``/``.yml`` is a path (``fake:/tmp/gpu.yaml``,
+    ``fake:./gpu.yaml``); anything else is a bundled profile's name.
+    """
+    return "/" in name or name.endswith((".yaml", ".yml"))
+
+
 def load_profile(name: str) -> dict[str, Any]:
-    """Load the bundled profile ``name`` (``profiles/<name>.yaml``).
+    """Load a profile: bundled ``profiles/<name>.yaml``, or the file at path ``name``.
+
+    Args:
+        name: a bundled profile's name (``h200``) or a profile file's path
+            (:func:`is_profile_path`), e.g. one ``kvpressure gpu record`` wrote.
 
     Raises:
-        FileNotFoundError: no such profile; the message lists the available ones.
+        FileNotFoundError: no such profile (the message lists the bundled ones) or file.
+        ValueError: the file is not a YAML mapping.
+        yaml.YAMLError: the file is not YAML.
     """
-    path = resources.files(__name__).joinpath("profiles", f"{name}.yaml")
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"no fake NVML profile {name!r}; available: {', '.join(list_profiles())}"
-        )
-    data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    if is_profile_path(name):
+        text = Path(name).expanduser().read_text(encoding="utf-8")
+    else:
+        path = resources.files(__name__).joinpath("profiles", f"{name}.yaml")
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"no fake NVML profile {name!r}; available: {', '.join(list_profiles())} "
+                "(or a profile file's path)"
+            )
+        text = path.read_text(encoding="utf-8")
+    data = yaml.safe_load(text)
     if not isinstance(data, dict):
         raise ValueError(f"fake NVML profile {name!r} is not a mapping")
     return data
@@ -181,7 +204,9 @@ class FakeDevice:
     nvlink: dict[str, list[_Rate]] = field(default_factory=dict)
     xid_events: bool = True
     processes: list[tuple[int, int | None, str]] = field(default_factory=list)
+    graphics_processes: list[tuple[int, int | None, str]] = field(default_factory=list)
     not_supported: set[str] = field(default_factory=set)
+    errors: dict[str, int] = field(default_factory=dict)
     mig_capable: bool = False
     mig_max: int = 7
     migs: list[FakeDevice] = field(default_factory=list)
@@ -351,6 +376,7 @@ class FakeNvml:
             nvlink_links=None if nvl is None else int(nvl.get("links", 0)),
             xid_events=bool(spec.get("xid_events", True)),
             not_supported=set(spec.get("not_supported") or ()),
+            errors={str(k): int(v) for k, v in dict(spec.get("errors") or {}).items()},
             mig_capable=bool(spec.get("mig_capable", False)),
         )
         if nvl and dev.nvlink_links:
@@ -361,12 +387,7 @@ class FakeNvml:
                 ]
                 for d in ("tx", "rx")
             }
-        dev.processes = [
-            (int(p["pid"]) + index, _mib(p.get("used_mib")), str(p.get("name", "python3")))
-            for p in spec.get("processes") or ()
-        ]
-        for p in dev.processes:
-            self._names[p[0]] = p[2]
+        dev.processes, dev.graphics_processes = self._processes(spec, index)
         mig = spec.get("mig")
         if mig:
             dev.mig_capable = True
@@ -399,14 +420,31 @@ class FakeNvml:
                     gi=int(inst["gi"]),
                     ci=int(inst.get("ci", 0)),
                 )
-                child.processes = [
-                    (int(p["pid"]) + index, _mib(p.get("used_mib")), str(p.get("name", "python3")))
-                    for p in inst.get("processes") or ()
-                ]
-                for p in child.processes:
-                    self._names[p[0]] = p[2]
+                child.processes, child.graphics_processes = self._processes(inst, index)
                 dev.migs.append(child)
         return dev
+
+    def _processes(
+        self, spec: Mapping[str, Any], index: int
+    ) -> tuple[list[tuple[int, int | None, str]], list[tuple[int, int | None, str]]]:
+        """The compute and graphics process rows of a device spec.
+
+        A row's ``type`` is ``compute`` (default), ``graphics`` or ``both`` (listed by both
+        NVML calls, as a process with both contexts is). ``pid`` is offset by the GPU index
+        unless ``raw_pid: true`` (for recorded values such as PID 4294967295).
+        """
+        compute: list[tuple[int, int | None, str]] = []
+        graphics: list[tuple[int, int | None, str]] = []
+        for p in spec.get("processes") or ():
+            pid = int(p["pid"]) + (0 if p.get("raw_pid") else index)
+            row = (pid, _mib(p.get("used_mib")), str(p.get("name", "python3")))
+            kind = str(p.get("type", "compute"))
+            if kind in ("compute", "both"):
+                compute.append(row)
+            if kind in ("graphics", "both"):
+                graphics.append(row)
+            self._names[pid] = row[2]
+        return compute, graphics
 
     # ---- scripting (tests) ---------------------------------------------------------------
     def set(self, index: int, mig: int | None = None, **values: Any) -> None:
@@ -421,7 +459,8 @@ class FakeNvml:
                 ``power_w``, ``temperature_c``, ``pcie_tx_bytes_per_s``,
                 ``pcie_rx_bytes_per_s``, ``nvlink_tx_kib_per_s_per_link``,
                 ``nvlink_rx_kib_per_s_per_link``, ``processes`` (``(pid, bytes[, name])``
-                tuples), ``hang_s`` (each call sleeps this long), ``lost`` (bool).
+                tuples, compute), ``graphics_processes`` (the same, graphics),
+                ``memory_total`` (bytes), ``hang_s`` (each call sleeps this long), ``lost`` (bool).
 
         Raises:
             KeyError: an unknown value name.
@@ -461,13 +500,16 @@ class FakeNvml:
         elif key.startswith("nvlink_") and dev.nvlink:
             for r in dev.nvlink[key.split("_")[1]]:
                 r.set_rate(float(v), now)
-        elif key == "processes":
-            dev.processes = []
+        elif key in ("processes", "graphics_processes"):
+            rows: list[tuple[int, int | None, str]] = []
             for p in v:
                 pid, used = int(p[0]), (None if p[1] is None else int(p[1]))
                 name = str(p[2]) if len(p) > 2 else "python3"
-                dev.processes.append((pid, used, name))
+                rows.append((pid, used, name))
                 self._names[pid] = name
+            setattr(dev, key, rows)
+        elif key == "memory_total":
+            dev.memory_total = None if v is None else int(v)
         elif key == "hang_s":
             dev.hang_s = float(v)
         elif key == "lost":
@@ -544,6 +586,9 @@ class FakeNvml:
             time.sleep(hang)
         if fn in handle.not_supported:
             raise _err(nb.NVML_ERROR_NOT_SUPPORTED)
+        code = handle.errors.get(fn)
+        if code is not None:
+            raise _err(code)  # a recorded answer such as NO_PERMISSION
         return handle
 
     def _lookup(self, fn: str, dev: FakeDevice) -> FakeDevice:
@@ -707,6 +752,18 @@ class FakeNvml:
         children = dev.migs if dev.mig_enabled else [dev]
         for d in children:
             for pid, used, _name in d.processes:
+                procs.append(
+                    Struct(pid=pid, usedGpuMemory=used, gpuInstanceId=d.gi, computeInstanceId=d.ci)
+                )
+        return procs
+
+    def nvmlDeviceGetGraphicsRunningProcesses(self, handle: Any) -> list[Struct]:
+        """``nvmlDeviceGetGraphicsRunningProcesses`` (v3): same shape as the compute list."""
+        dev = self._dev("nvmlDeviceGetGraphicsRunningProcesses", handle)
+        procs: list[Struct] = []
+        children = dev.migs if dev.mig_enabled else [dev]
+        for d in children:
+            for pid, used, _name in d.graphics_processes:
                 procs.append(
                     Struct(pid=pid, usedGpuMemory=used, gpuInstanceId=d.gi, computeInstanceId=d.ci)
                 )
