@@ -3,11 +3,14 @@
 ``/api/v1/snapshot`` returns JSON::
 
     {"time": 1796054431.2, "version": "0.1.0", "uptime_s": 12.5,
-     "samplers": [{"sampler": "host", "up": true, "duration_s": 0.004, "reason": "",
+     "samplers": [{"sampler": "host", "state": "up", "up": true, "duration_s": 0.004, "reason": "",
                    "age_s": 0.3, "sources": [{"source": "psi", "state": "ok", "reason": ""}]}],
      "samples": [{"name": "kvpressure_host_memory_total_bytes", "labels": {}, "value": 1.6e10}]}
 
-``kvpressure status`` reads it.
+A sampler's ``state`` is ``up``, ``down`` (its last cycle failed: ``reason`` says why) or
+``unsupported`` (it ran, but every source it has is missing on this host, e.g. the GPU
+sampler without an NVML library: ``sources`` says which and why); ``up`` is true only for
+``state == "up"``. ``kvpressure status`` and ``kvpressure top`` read it.
 """
 
 from __future__ import annotations
@@ -21,8 +24,27 @@ from prometheus_client.registry import CollectorRegistry
 
 from agent import __version__
 from agent.attribution.store import AttributionStore
-from agent.state import AgentState
+from agent.state import AgentState, SamplerReport
 from exporters.prometheus import render
+
+
+def sampler_state(r: SamplerReport) -> str:
+    """``up``, ``down`` or ``unsupported`` for one sampler report (see the module docstring).
+
+    ``unsupported``: the cycle succeeded, produced no samples, and every source it reported
+    is unsupported (a host with no device for this sampler).
+    """
+    if not r.ok:
+        return "down"
+    b = r.batch
+    if (
+        b is not None
+        and not b.samples
+        and b.sources
+        and all(s.state == "unsupported" for s in b.sources)
+    ):
+        return "unsupported"
+    return "up"
 
 
 def snapshot(state: AgentState) -> dict[str, Any]:
@@ -30,10 +52,12 @@ def snapshot(state: AgentState) -> dict[str, Any]:
     now = time.time()
     samplers = []
     for r in state.reports():
+        st = sampler_state(r)
         samplers.append(
             {
                 "sampler": r.sampler,
-                "up": r.ok,
+                "state": st,
+                "up": st == "up",
                 "duration_s": r.duration_s,
                 "reason": r.reason,
                 "age_s": max(0.0, now - r.ts),

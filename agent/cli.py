@@ -61,20 +61,6 @@ def _cmd_check_config(args: argparse.Namespace) -> int:
     return 0
 
 
-def _fmt_bytes(v: float | None) -> str:
-    if v is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(v) < 1024 or unit == "TiB":
-            return f"{v:.1f} {unit}" if unit != "B" else f"{v:.0f} B"
-        v /= 1024
-    return "-"  # pragma: no cover
-
-
-def _fmt(v: float | None, spec: str = ".0f") -> str:
-    return "-" if v is None else format(v, spec)
-
-
 def render_status(snap: dict[str, Any]) -> str:
     """Render an ``/api/v1/snapshot`` document as the compact ``status`` table.
 
@@ -82,73 +68,101 @@ def render_status(snap: dict[str, Any]) -> str:
         snap: the decoded JSON snapshot (see :mod:`agent.api`).
 
     Returns:
-        Multi-line text: host memory and PSI, one row per engine, one row per sampler.
-        Values the agent does not have are shown as ``-``.
+        Multi-line text: host memory and PSI, one row per engine, one row per GPU (memory
+        used/reserved/total, utilization, memory bandwidth) followed by its processes, and
+        one row per sampler with its state (``up``, ``down``, ``unsupported``). Values the
+        agent does not have are shown as ``-``.
     """
+    from agent import view
+    from agent.view import fmt_bytes, fmt_num, fmt_pct
 
-    def one(name: str, **labels: str) -> float | None:
-        for s in snap.get("samples", []):
-            if s["name"] == name and all(s["labels"].get(k) == v for k, v in labels.items()):
-                return float(s["value"])
-        return None
-
-    lines = [f"kvpressure {snap.get('version', '?')}  uptime {snap.get('uptime_s', 0):.0f} s", ""]
-    total = one("kvpressure_host_memory_total_bytes")
-    avail = one("kvpressure_host_memory_available_bytes")
-    swap = one("kvpressure_host_swap_used_bytes")
+    sn = view.Snap(snap)
+    uptime = snap.get("uptime_s")
+    lines = [
+        f"kvpressure {snap.get('version', '?')}  uptime "
+        f"{fmt_num(uptime if isinstance(uptime, int | float) else None)} s",
+        "",
+    ]
+    h = view.host(sn)
     lines.append(
-        f"host memory  total {_fmt_bytes(total)}  available {_fmt_bytes(avail)}  "
-        f"swap used {_fmt_bytes(swap)}"
+        f"host memory  total {fmt_bytes(h.total)}  available {fmt_bytes(h.available)}  "
+        f"swap used {fmt_bytes(h.swap_used)}"
     )
-    psi = []
-    for res in ("cpu", "memory", "io"):
-        for kind in ("some", "full"):
-            v = one("kvpressure_psi_avg10_ratio", resource=res, kind=kind, scope="system")
-            if v is not None:
-                psi.append(f"{res}.{kind} {v * 100:.1f}%")
+    psi = [f"{k} {v * 100:.1f}%" for k, v in h.psi.items()]
     lines.append("psi avg10    " + ("  ".join(psi) if psi else "unavailable"))
     lines.append("")
-    engines = sorted(
-        {
-            (s["labels"].get("engine", ""), s["labels"].get("instance", ""))
-            for s in snap.get("samples", [])
-            if s["name"] == "kvpressure_engine_up"
-        }
-    )
     lines.append(
         f"{'ENGINE':<16} {'INSTANCE':<22} {'UP':<3} {'KV USED':>8} {'KV TOKENS':>17} "
         f"{'RUNNING':>7} {'WAITING':>7}"
     )
+    engines = view.engines(sn)
     if not engines:
         lines.append("(no engines configured or discovered)")
-    for eng, inst in engines:
-        lab = {"engine": eng, "instance": inst}
-        up = one("kvpressure_engine_up", **lab)
-        ratio = one("kvpressure_engine_kv_cache_usage_ratio", **lab)
-        used = one("kvpressure_engine_kv_cache_used_tokens", **lab)
-        cap = one("kvpressure_engine_kv_cache_capacity_tokens", **lab)
-        tokens = f"{_fmt(used)}/{_fmt(cap)}" if used is not None or cap is not None else "-"
+    for e in engines:
+        tokens = (
+            f"{fmt_num(e.kv_used)}/{fmt_num(e.kv_capacity)}"
+            if e.kv_used is not None or e.kv_capacity is not None
+            else "-"
+        )
         lines.append(
-            f"{eng:<16} {inst:<22} {_fmt(up):<3} "
-            f"{('-' if ratio is None else f'{ratio * 100:.1f}%'):>8} {tokens:>17} "
-            f"{_fmt(one('kvpressure_engine_requests_running', **lab)):>7} "
-            f"{_fmt(one('kvpressure_engine_requests_waiting', **lab)):>7}"
+            f"{e.engine:<16} {e.instance:<22} {fmt_num(e.up):<3} {fmt_pct(e.kv_ratio):>8} "
+            f"{tokens:>17} {fmt_num(e.running):>7} {fmt_num(e.waiting):>7}"
         )
     lines.append("")
-    lines.append(f"{'SAMPLER':<28} {'UP':<4} {'DURATION':>9}  NOTES")
+    lines += _gpu_lines(sn, snap.get("samplers", []))
+    lines.append("")
+    lines.append(f"{'SAMPLER':<28} {'STATE':<11} {'DURATION':>9}  NOTES")
     for s in snap.get("samplers", []):
         notes = [
-            f"{x['source']}:{x['state']}" + (f"({x['reason']})" if x["reason"] else "")
+            f"{x['source']}:{x['state']}" + (f"({x['reason']})" if x.get("reason") else "")
             for x in s.get("sources", [])
-            if x["state"] != "ok"
+            if x.get("state") != "ok"
         ]
         if s.get("reason"):
             notes.insert(0, s["reason"])
+        dur = s.get("duration_s")
         lines.append(
-            f"{s['sampler']:<28} {('yes' if s['up'] else 'NO'):<4} "
-            f"{s['duration_s'] * 1000:>7.1f}ms  {' '.join(notes)}"
+            f"{s.get('sampler', '?'):<28} {view.sampler_state(s):<11} "
+            f"{fmt_num(dur * 1000 if isinstance(dur, int | float) else None, '.1f'):>7}ms  "
+            f"{' '.join(notes)}".rstrip()
         )
     return "\n".join(lines)
+
+
+def _gpu_lines(sn: Any, samplers: list[dict[str, Any]]) -> list[str]:
+    """The GPU section of ``status``: one row per GPU, then its processes indented."""
+    from agent import view
+    from agent.view import fmt_bytes, fmt_pct
+
+    rows = view.gpus(sn)
+    if not rows:
+        gpu = next((s for s in samplers if s.get("sampler") == "gpu"), None)
+        if gpu is None:
+            return ["GPU  (gpu sampler not running)"]
+        why = [
+            f"{x['source']}: {x.get('reason') or x.get('state')}"
+            for x in gpu.get("sources", [])
+            if x.get("state") != "ok"
+        ]
+        return [f"GPU  {view.sampler_state(gpu)}" + (f" ({'; '.join(why)})" if why else "")]
+    out = [
+        f"{'GPU':<6} {'NAME':<20} {'MEM USED':>10} {'RESERVED':>10} {'TOTAL':>10} "
+        f"{'USED%':>6} {'UTIL':>5} {'MEM BW':>6}"
+    ]
+    for g in rows:
+        used_pct = g.used / g.total if g.used is not None and g.total else None
+        name = (g.name or "-") if g.up != 0 else "(lost)"
+        out.append(
+            f"{g.gpu:<6} {name[:20]:<20} {fmt_bytes(g.used):>10} {fmt_bytes(g.reserved):>10} "
+            f"{fmt_bytes(g.total):>10} {fmt_pct(used_pct, '.0f'):>6} "
+            f"{fmt_pct(g.utilization, '.0f'):>5} {fmt_pct(g.bandwidth, '.0f'):>6}"
+        )
+        for p in g.processes:
+            out.append(
+                f"  pid {p.pid:<8} {p.process[:16]:<16} {fmt_bytes(p.memory):>10}"
+                + (f"  engine {p.engine}" if p.engine else "")
+            )
+    return out
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
