@@ -1,7 +1,7 @@
 """The ``kvpressure`` command.
 
-Subcommands: ``run``, ``check-config``, ``status``, ``default-config``, ``metrics``,
-``plan``, ``explain``.
+Subcommands: ``run``, ``check-config``, ``status``, ``top``, ``default-config``,
+``metrics``, ``plan``, ``explain``.
 
 Exit codes: 0 success; 1 invalid config, or no agent answering (``status``); 2 usage error.
 """
@@ -180,6 +180,16 @@ def _cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_top(args: argparse.Namespace) -> int:
+    """``kvpressure top``: exit 0 on ``q``; 1 with ``--once`` when no agent answers."""
+    from agent.top import run_top
+
+    if args.interval <= 0:
+        print("kvpressure top: --interval must be positive", file=sys.stderr)
+        return 2
+    return run_top(args.url, args.interval, args.timeout, once=args.once)
+
+
 def _cmd_default_config(_: argparse.Namespace) -> int:
     sys.stdout.write(default_text())
     return 0
@@ -245,6 +255,13 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true", help="print the raw snapshot JSON")
     st.add_argument("--timeout", type=float, default=3.0, help="seconds")
     st.set_defaults(func=_cmd_status)
+
+    tp = sub.add_parser("top", help="full-screen live view of a running agent (q quits)")
+    tp.add_argument("--url", default="http://127.0.0.1:9470", help="agent base URL")
+    tp.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
+    tp.add_argument("--timeout", type=float, default=3.0, help="seconds")
+    tp.add_argument("--once", action="store_true", help="print one frame to stdout and exit")
+    tp.set_defaults(func=_cmd_top)
 
     dc = sub.add_parser("default-config", help="print the embedded default config")
     dc.set_defaults(func=_cmd_default_config)
