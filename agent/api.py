@@ -16,7 +16,7 @@ sampler without an NVML library: ``sources`` says which and why); ``up`` is true
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from aiohttp import web
@@ -116,12 +116,30 @@ def make_app(
     return app
 
 
-def attribution_routes(store: AttributionStore, window_s: float) -> list[web.RouteDef]:
+def attribution_routes(
+    store: AttributionStore,
+    window_s: float,
+    started: float | None = None,
+    min_score: float = 0.3,
+    known_engines: Callable[[], Iterable[str]] | None = None,
+) -> list[web.RouteDef]:
     """``GET /api/v1/attributions?since=10m[&engine=E][&limit=N]`` for ``kvpressure explain``.
 
     ``since`` is a duration (``600``, ``90s``, ``10m``, ``1h``; default ``10m``); the answer
-    is :meth:`agent.attribution.store.AttributionStore.query`'s document. A bad parameter is
-    answered 400 with ``{"error": ...}``.
+    is :meth:`agent.attribution.store.AttributionStore.query`'s document, plus
+    ``agent_started`` (Unix seconds) and ``requested_since`` (``now - since``): the
+    document's ``since`` never lies before the agent started (nothing was observed then),
+    unless a kept request ended earlier (a late OTLP span), and then not before it.
+    ``engines`` also lists the engines ``known_engines`` returns (those scraped, with or
+    without requests). A bad parameter is answered 400 with ``{"error": ...}``.
+
+    Args:
+        store: the attribution store.
+        window_s: window length (``attribution.window_s``), seconds.
+        started: the agent's start, Unix seconds (``AgentState.started``).
+        min_score: ``attribution.min_score``.
+        known_engines: engine labels known beyond the store's (e.g. from
+            ``kvpressure_engine_up``).
     """
     from agent.attribution.explain import parse_since
 
@@ -133,9 +151,22 @@ def attribution_routes(store: AttributionStore, window_s: float) -> list[web.Rou
         except ValueError as exc:
             return web.json_response({"error": str(exc)}, status=400)
         now = time.time()
+        requested = now - since_s
+        floor = started
+        if started is not None and (oldest := store.oldest()) is not None:
+            floor = min(started, oldest)
         doc = store.query(
-            now - since_s, now, engine=q.get("engine") or None, limit=limit, window_s=window_s
+            requested if floor is None else max(requested, floor),
+            now,
+            engine=q.get("engine") or None,
+            limit=limit,
+            window_s=window_s,
+            min_score=min_score,
         )
+        doc["requested_since"] = requested
+        doc["agent_started"] = started
+        if known_engines is not None:
+            doc["engines"] = sorted(set(doc["engines"]) | set(known_engines()))
         return web.json_response(doc)
 
     return [web.get("/api/v1/attributions", attributions)]

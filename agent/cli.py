@@ -209,7 +209,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _cmd_explain(args: argparse.Namespace) -> int:
-    """``kvpressure explain``: exit 0, 1 when no agent answers, 2 for a bad ``--since``."""
+    """``kvpressure explain``: exit 0; 1 no agent answers; 2 bad ``--since`` or unknown engine.
+
+    An ``--engine`` the agent does not know is named with the engines it knows.
+    """
     import httpx
 
     from agent.attribution.explain import parse_since, render
@@ -230,6 +233,14 @@ def _cmd_explain(args: argparse.Namespace) -> int:
     except (httpx.HTTPError, ValueError) as exc:
         print(f"kvpressure explain: no agent answering at {args.url} ({exc})", file=sys.stderr)
         return 1
+    known = doc.get("engines") if isinstance(doc, dict) else None
+    if args.engine and isinstance(known, list) and args.engine not in known:
+        print(
+            f"kvpressure explain: the agent at {args.url} knows no engine {args.engine!r}; "
+            + (f"it knows: {', '.join(known)}" if known else "it knows none yet"),
+            file=sys.stderr,
+        )
+        return 2
     print(json.dumps(doc, indent=2) if args.json else render(doc))
     return 0
 
