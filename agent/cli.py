@@ -222,7 +222,7 @@ def _cmd_explain(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"kvpressure explain: --since: {exc}", file=sys.stderr)
         return 2
-    params = {"since": f"{since_s:g}", "limit": "200"}
+    params = {"since": f"{since_s:g}", "limit": "5000" if args.html else "200"}
     if args.engine:
         params["engine"] = args.engine
     url = args.url.rstrip("/") + "/api/v1/attributions"
@@ -241,7 +241,35 @@ def _cmd_explain(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.html:
+        return _write_html(args, doc)
     print(json.dumps(doc, indent=2) if args.json else render(doc))
+    return 0
+
+
+def _write_html(args: argparse.Namespace, doc: dict[str, Any]) -> int:
+    """Write ``explain --html FILE`` (the knee comes from the agent's snapshot); exit 0 or 1."""
+    import httpx
+
+    from agent.attribution.report import render_html
+
+    snap: dict[str, Any] | None = None
+    try:
+        resp = httpx.get(args.url.rstrip("/") + "/api/v1/snapshot", timeout=args.timeout)
+        resp.raise_for_status()
+        got = resp.json()
+        snap = got if isinstance(got, dict) else None
+    except (httpx.HTTPError, ValueError):
+        snap = None  # the page says there is no knee
+    page = render_html(doc, snap, args.engine)
+    try:
+        with open(args.html, "w", encoding="utf-8") as f:
+            f.write(page)
+    except OSError as exc:
+        print(f"kvpressure explain: cannot write {args.html}: {exc}", file=sys.stderr)
+        return 1
+    n = len(doc.get("attributions", []))
+    print(f"kvpressure explain: wrote {args.html} ({n} slow request(s), {len(page):,} bytes)")
     return 0
 
 
@@ -317,7 +345,11 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--since", default="10m", help="look back this long (10m, 90s, 1h)")
     ex.add_argument("--url", default="http://127.0.0.1:9470", help="agent base URL")
     ex.add_argument("--engine", help="only this engine label")
-    ex.add_argument("--json", action="store_true", help="print the raw JSON document")
+    out = ex.add_mutually_exclusive_group()
+    out.add_argument("--json", action="store_true", help="print the raw JSON document")
+    out.add_argument(
+        "--html", metavar="FILE", help="write a self-contained HTML page with charts to FILE"
+    )
     ex.add_argument("--timeout", type=float, default=5.0, help="seconds")
     ex.set_defaults(func=_cmd_explain)
     return p

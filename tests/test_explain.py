@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from agent.attribution.explain import _fmt_value, fmt_seconds, parse_since, render
+from agent.attribution.explain import fmt_seconds, fmt_value, parse_since, render
 from agent.attribution.model import Attribution, Evidence, WindowAttribution
 from agent.attribution.store import AttributionStore, RequestSummary
 from agent.cli import main
@@ -92,7 +92,7 @@ def test_parse_since_rejects(bad):
     ],
 )
 def test_evidence_values_read_with_their_units(value, unit, text):
-    assert _fmt_value(value, unit) == text
+    assert fmt_value(value, unit) == text
 
 
 def test_fmt_seconds():
@@ -250,7 +250,7 @@ def test_rates_of_counts_read_as_what_they_count_and_host_wide_evidence_is_marke
     ],
 )
 def test_count_rates_have_a_noun(value, unit, signal, text):
-    assert _fmt_value(value, unit, signal) == text
+    assert fmt_value(value, unit, signal) == text
 
 
 def test_window_never_starts_before_the_agent_started_or_its_first_observation(daemon, capsys):
@@ -277,3 +277,32 @@ def test_unknown_engine_is_named_with_the_engines_the_agent_knows(daemon, capsys
     err = capsys.readouterr().err
     assert "knows no engine 'nosuch'; it knows: llamacpp" in err
     assert main(["explain", "--url", base, "--engine", "llamacpp"]) == 0
+
+
+def test_html_report_holds_tables_and_charts_inline():
+    from agent.attribution.report import render_html
+
+    snap = {"samples": []}
+    for band, ttft in (("0-50", 0.05), ("95-100", 2.0)):
+        for le in ("0.1", "2.5", "+Inf"):
+            n = 10.0 if float(le.replace("+Inf", "inf")) >= ttft else 0.0
+            snap["samples"].append({"name": "kvpressure_kv_occupancy_latency_seconds_bucket",
+                                    "labels": {"engine": "llamacpp", "phase": "ttft",
+                                               "band": band, "le": le}, "value": n})  # fmt: skip
+    page = render_html(_multi_cause_store().query(T - 10, T + 10), snap)
+    assert page.startswith("<!DOCTYPE html>") and page.rstrip().endswith("</html>")
+    assert "<script" not in page and "<link" not in page
+    assert page.count("<svg") == 2  # the TTFT knee (no ITL observed) and causes over time
+    assert "0-50 (10)" in page and "95-100 (10)" in page
+    assert "compute 0.71, network 0.30" in page
+    assert "tcp_retransmits = 5.05 segments/s" in page and "host-wide" in page
+
+
+def test_html_report_says_what_is_missing_instead_of_drawing_zeros():
+    from agent.attribution.report import render_html
+
+    page = render_html(AttributionStore().query(T - 10, T + 10), None)
+    assert "<svg" not in page
+    assert "No snapshot was read, so no knee." in page
+    assert "No slow requests in this window." in page
+    assert "No requests in this period." in page

@@ -78,7 +78,12 @@ def is_host_wide(evidence: dict[str, Any]) -> bool:
     return scope in (None, "", "system")
 
 
-def _fmt_value(v: float, unit: str, signal: str = "") -> str:
+def fmt_value(v: float, unit: str, signal: str = "") -> str:
+    """An evidence value in its unit, e.g. ``0.65`` ratio -> ``65%``.
+
+    ``5.05`` ``1/s`` of ``tcp_retransmits`` reads ``5.05 segments/s``; a whole count reads
+    ``16``.
+    """
     if unit == "1/s":
         return f"{v:.2f} {_RATE_NOUN.get(signal, 'events/s')}"
     if unit == "seconds":
@@ -103,7 +108,8 @@ def _duration(s: float) -> str:
     return f"{s:.0f}s"
 
 
-def _header(doc: dict[str, Any]) -> str:
+def header(doc: dict[str, Any]) -> str:
+    """The first line: the window observed, and why it is shorter than asked if it is."""
     now, since = float(doc["time"]), float(doc["since"])
     line = f"kvpressure explain: last {_duration(now - since)} ({_hms(since)} - {_hms(now)})"
     requested = doc.get("requested_since")
@@ -115,7 +121,7 @@ def _header(doc: dict[str, Any]) -> str:
     return line
 
 
-def _causes_of(a: dict[str, Any], min_score: float) -> str:
+def causes_of(a: dict[str, Any], min_score: float) -> str:
     """``memory 0.71, network 0.30``: every cause at or above ``min_score``, strongest first."""
     scores = {k: float(v) for k, v in a.get("scores", {}).items() if float(v) >= min_score}
     if not scores:
@@ -138,7 +144,7 @@ def render(doc: dict[str, Any]) -> str:
         slowest requests with every cause that scored.
     """
     min_score = float(doc.get("min_score", 0.3))
-    out: list[str] = [_header(doc), ""]
+    out: list[str] = [header(doc), ""]
     reqs: dict[str, Any] = doc.get("requests", {})
     if not reqs:
         out.append("No requests in this period. Point clients at a proxy (proxies:) or send")
@@ -202,8 +208,8 @@ def render(doc: dict[str, Any]) -> str:
             unit, sig = e["unit"], e["signal"]
             out.append(
                 f"{e['cause'] if e['cause'] != last else '':<15} {sig:<22} "
-                f"{_fmt_value(e['median'], unit, sig):>11} (threshold "
-                f"{_fmt_value(e['threshold'], unit, sig)}) in {e['requests']}/{e['of']}: {what}"
+                f"{fmt_value(e['median'], unit, sig):>11} (threshold "
+                f"{fmt_value(e['threshold'], unit, sig)}) in {e['requests']}/{e['of']}: {what}"
                 + "".join(f" [{t}]" for t in tags)
             )
             last = e["cause"]
@@ -231,7 +237,7 @@ def render(doc: dict[str, Any]) -> str:
         out += ["", "SLOWEST REQUESTS"]
         for a in sorted(atts, key=lambda a: -a["latency_s"] / max(a["threshold_s"], 1e-9))[:10]:
             top = " ".join(
-                f"{e['signal']}={_fmt_value(e['value'], e['unit'], e['signal'])}"
+                f"{e['signal']}={fmt_value(e['value'], e['unit'], e['signal'])}"
                 + (" (host-wide)" if is_host_wide(e) else "")
                 for e in a["evidence"][:3]
             )
@@ -239,6 +245,6 @@ def render(doc: dict[str, Any]) -> str:
             out.append(
                 f"{_hms(a['end'])}  {a['engine']:<14} {a['phase']} {fmt_seconds(a['latency_s'])}"
                 f" > {fmt_seconds(a['threshold_s'])} ({a['basis']})  "
-                f"{_causes_of(a, min_score)}{flag}  {top}"
+                f"{causes_of(a, min_score)}{flag}  {top}"
             )
     return "\n".join(out)

@@ -15,6 +15,7 @@ screenshot are kept under ``$KVPRESSURE_VIEWS_DIR`` (default: the test's tmp dir
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -210,3 +211,78 @@ def test_top_in_tmux_shows_engines_gpus_host_and_slow_requests_and_q_quits(
         assert dead == "1 0", f"top did not exit on q: {dead!r}"
     finally:
         subprocess.run(["tmux", "-S", sock, "kill-server"], capture_output=True, check=False)
+
+
+def test_explain_text_leaves_failures_out_and_names_unknown_engines(world: World) -> None:
+    r = subprocess.run(
+        [*_kvpressure(), "explain", "--url", world.agent.url, "--since", "1h"],
+        capture_output=True, text=True, timeout=30, check=False,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    (world.out / "explain.txt").write_text(r.stdout)
+    assert "since the agent started (--since asked for 1.0h" in r.stdout.splitlines()[0]
+    assert "failed left out: server_error 3" in r.stdout
+    assert "1/s" not in r.stdout
+    r = subprocess.run(
+        [*_kvpressure(), "explain", "--url", world.agent.url, "--engine", "nosuch"],
+        capture_output=True, text=True, timeout=30, check=False,
+    )  # fmt: skip
+    assert r.returncode == 2
+    assert "knows no engine 'nosuch'; it knows: vllm" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def _count_near(img: Any, rgb: tuple[int, int, int], tol: int = 12) -> int:
+    return sum(
+        n
+        for n, px in img.getcolors(1 << 24)
+        if all(abs(a - b) <= tol for a, b in zip(px, rgb, strict=True))
+    )
+
+
+def test_explain_html_is_self_contained_and_renders_in_headless_chromium(
+    world: World, tmp_path: Path
+) -> None:
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        unavailable("chromium not installed (Debian: apt-get install -y chromium)")
+    page = world.out / "explain.html"
+    r = subprocess.run(
+        [*_kvpressure(), "explain", "--url", world.agent.url, "--html", str(page)],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert f"wrote {page}" in r.stdout
+    text = page.read_text()
+    assert text.startswith("<!DOCTYPE html>")
+    assert "<script" not in text and "<link" not in text and "<img" not in text
+    assert not re.search(r"""(?:src|href)\s*=\s*["']?(?:https?:|//)""", text)
+    assert not re.search(r"url\(\s*['\"]?(?:https?:|//)", text)
+    assert text.count("<svg") >= 3  # knee: TTFT and ITL; causes over time
+    for part in ("Latency per KV-occupancy band", "Causes over time", "Slowest requests"):
+        assert part in text
+    assert "server_error 3" in text and "memory" in text
+
+    png = world.out / "explain.png"
+    png.unlink(missing_ok=True)
+    cmd = [
+        chromium, "--headless", "--no-sandbox", "--disable-gpu",
+        "--disable-background-networking", "--disable-component-update", "--disable-sync",
+        "--no-first-run", f"--user-data-dir={tmp_path / 'profile'}", "--hide-scrollbars",
+        "--window-size=1200,1800", f"--screenshot={png}", page.resolve().as_uri(),
+    ]  # fmt: skip
+    shot = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
+    assert png.is_file(), f"no screenshot (rc {shot.returncode}): {shot.stderr[-2000:]}"
+    from PIL import Image
+
+    with Image.open(png) as im:
+        img = im.convert("RGB")
+    assert img.size == (1200, 1800)
+    colors = img.getcolors(1 << 24)
+    assert colors is not None
+    white = sum(n for n, px in colors if min(px) >= 250)
+    assert white < 0.97 * img.size[0] * img.size[1], "the page rendered (almost) blank"
+    assert len(colors) > 50  # text antialiasing and charts, not a flat fill
+    # the charts were drawn: bars in the memory cause's red and the knee's TTFT p50 blue
+    assert _count_near(img, (0xD6, 0x27, 0x28)) > 200
+    assert _count_near(img, (0x1F, 0x77, 0xB4)) > 200
