@@ -209,7 +209,8 @@ def test_plan_with_agent_uses_engine_capacity_and_the_knee():
     assert d16["tail_ttft_s"] == pytest.approx(d16["ttft_p99_s"] + service)
     tiers = {t["tier"]: t for t in p["tiers"]}
     assert tiers["dram"]["capacity_from"] == "agent" and tiers["cxl"]["capacity_from"] == "agent"
-    assert tiers["ssd"]["capacity_from"] == "assumed"
+    assert "ssd" not in tiers  # no SSD tier found or given: none assumed
+    assert any(n.startswith("tiers not shown: ssd") for n in p["notes"])
 
 
 def test_llamacpp_fit_is_the_slot_count():
@@ -288,3 +289,53 @@ def test_cli_plan_with_agent_and_live_gpu(monkeypatch, capsys):
     assert "engine-reported capacity 65,536 tokens" in out
     assert "knee ttft band 95-100%" in out
     assert "dram" in out and "cxl" in out
+
+
+def test_readme_plan_example_runs_as_printed_from_a_clean_clone(capsys):
+    """The README's `kvpressure plan` example names a file the repository ships, and prints
+    what the README shows."""
+    import re
+    import shlex
+
+    root = Path(__file__).resolve().parents[1]
+    readme = (root / "README.md").read_text()
+    m = re.search(r"```console\n\$ (kvpressure plan (?:[^\n]*\\\n)*[^\n]*)\n(.*?)```", readme, re.S)
+    assert m, "no `kvpressure plan` example in the README"
+    argv = shlex.split(m.group(1).replace("\\\n", " "))[1:]
+    path = Path(argv[argv.index("--hf-config") + 1])
+    assert (root / path).is_file(), f"the README's example names {path}, which is not shipped"
+    argv[argv.index("--hf-config") + 1] = str(root / path)
+    assert main(argv) == 0
+    assert capsys.readouterr().out.rstrip() == m.group(2).rstrip()
+
+
+def test_deepseek_v3_on_8_h200_subtracts_its_moe_weights(tmp_path, capsys):
+    """The issue's case: 8 x 141 GiB no longer prints "weights 0 B"."""
+    cfg = json.loads((Path(__file__).parent / "fixtures/capacity/hf/deepseek-v3.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3"}  # as published
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    argv = ["plan", "--hf-config", str(tmp_path), "--gpu-memory", "141GiB", "--gpus", "8"]
+    assert main(argv) == 0
+    budget = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("KV budget"))
+    assert "weights 624.9 GiB (671.03 B parameters (MoE estimate" in budget
+    assert "KV budget    374.3 GiB" in budget  # 8 x 141 x 0.9 - 624.9 - 16
+
+
+def test_weights_that_cannot_be_estimated_are_said_loudly(capsys):
+    hf = Path(__file__).parent / "fixtures/capacity/hf/qwen3-next-80b-a3b.json"
+    assert main(["plan", "--hf-config", str(hf), "--gpu-memory", "80GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "weights UNKNOWN (not subtracted: pass --weights)" in out
+    assert "weights 0 B" not in out
+    assert "weights unknown and NOT subtracted, so the KV budget is too high" in out
+
+
+def test_tiers_neither_found_nor_given_are_not_assumed(capsys):
+    hf = Path(__file__).parent / "fixtures/capacity/hf/llama-3.1-8b.json"
+    assert (
+        main(["plan", "--hf-config", str(hf), "--gpu-memory", "80GiB", "--tier", "ssd=1TiB"]) == 0
+    )
+    out = capsys.readouterr().out
+    rows = [x.split()[0] for x in out.split("TIER ", 1)[1].splitlines()[1:] if x and x[0] != "n"]
+    assert "cxl" not in rows and "ssd" in rows and "assumed" not in out
+    assert "tiers not shown: cxl (neither found on this host nor given" in out

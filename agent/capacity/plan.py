@@ -20,8 +20,9 @@ KV budget, in order of preference:
   accelerator assumed, vLLM profiles the real figure at start-up).
 
 Weights when not given: the GGUF file size; for an HF config the ``*.safetensors`` next to
-it, else a dense-model estimate (:func:`~agent.capacity.kvbytes.estimate_hf_weights_bytes`);
-mixture-of-experts configs need ``--weights``.
+it, else an estimate from the config, dense or mixture-of-experts
+(:func:`~agent.capacity.kvbytes.estimate_hf_weights_bytes`); hybrid models need ``--weights``,
+and without it the budget line says the weights are unknown.
 
 Queueing model for the tail: requests beyond what fits wait in waves; the last of
 ``queued`` waits ``ceil(queued / fit)`` service times, a service time being ``TTFT p50 +
@@ -55,8 +56,6 @@ DEFAULT_OUTPUT_TOKENS = 256
 TIER_BANDWIDTH: dict[str, float] = {"dram": 50e9, "cxl": 25e9, "ssd": 6e9}
 """Default effective reload bandwidth per tier, bytes per second (see the module doc)."""
 
-TIER_ASSUMED_CAPACITY: dict[str, float] = {"cxl": 256 * GIB, "ssd": 1024 * GIB}
-"""Capacity shown for a tier that is neither detected nor given (marked ``assumed``)."""
 
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgtp]?)(i?)(b?)\s*$", re.IGNORECASE)
 _POW = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4, "p": 5}
@@ -111,7 +110,7 @@ class Tier:
         name: ``dram``, ``cxl``, ``ssd`` or any name given.
         capacity_bytes: bytes available for KV.
         bandwidth: effective reload bandwidth to the accelerator, bytes per second.
-        capacity_from: ``agent``, ``this host``, ``assumed`` or ``--tier``.
+        capacity_from: ``agent``, ``this host`` or ``--tier``.
     """
 
     name: str
@@ -304,7 +303,10 @@ def default_tiers(
     overrides: Iterable[tuple[str, float | None, float | None]] = (),
     local_available: float | None = None,
 ) -> list[Tier]:
-    """Return the offload tiers to evaluate: detected or assumed defaults, then overrides.
+    """Return the offload tiers to evaluate: the ones detected, then those given.
+
+    A tier is shown only when it exists (host DRAM; CXL memory the agent found on CPU-less
+    NUMA nodes) or was given with ``--tier``: a capacity is never assumed.
 
     Args:
         live: agent facts (host available memory, CXL free bytes), if any.
@@ -329,9 +331,7 @@ def default_tiers(
     for name in names:
         cap_from = caps.get(name)
         if cap_from is None:
-            if name not in TIER_ASSUMED_CAPACITY:
-                continue
-            cap_from = (TIER_ASSUMED_CAPACITY[name], "assumed")
+            continue  # neither detected nor given: not assumed
         bw = bws.get(name)
         if bw is None:
             raise ValueError(f"tier {name!r} needs a bandwidth: --tier {name}=SIZE@BANDWIDTH")
@@ -453,6 +453,11 @@ def make_plan(inp: PlanInputs) -> dict[str, Any]:
         mem = inp.memory_bytes * inp.gpus
         usable = mem * inp.memory_utilization
         weights = inp.weights_bytes or 0.0
+        w_text = (
+            f"weights {fmt_bytes(weights)}{f' ({inp.weights_how})' if inp.weights_how else ''}"
+            if inp.weights_bytes is not None
+            else "weights UNKNOWN (not subtracted: pass --weights)"
+        )
         b = usable - weights - inp.overhead_bytes * inp.gpus
         if b <= 0:
             raise ValueError(
@@ -463,11 +468,13 @@ def make_plan(inp: PlanInputs) -> dict[str, Any]:
             "bytes": b,
             "tokens": b / bpt,
             "how": f"{inp.gpus} x {fmt_bytes(inp.memory_bytes)} x {inp.memory_utilization:.2f} - "
-            f"weights {fmt_bytes(weights)}{f' ({inp.weights_how})' if inp.weights_how else ''} - "
-            f"overhead {fmt_bytes(inp.overhead_bytes * inp.gpus)}",
+            f"{w_text} - overhead {fmt_bytes(inp.overhead_bytes * inp.gpus)}",
         }
         if inp.weights_bytes is None:
-            notes.append("weights unknown and not subtracted: pass --weights")
+            notes.append(
+                "weights unknown and NOT subtracted, so the KV budget is too high: pass "
+                "--weights SIZE (or point --hf-config at a directory with the safetensors)"
+            )
     else:
         raise ValueError(
             "no KV budget: pass --gpu-memory (or --live-gpu), or --agent with an engine"
@@ -529,6 +536,12 @@ def make_plan(inp: PlanInputs) -> dict[str, Any]:
         )
     if rate is None and tiers:
         notes.append("no prefill rate to compare reloads with: pass --prefill-rate or --agent")
+    absent = [n for n in TIER_BANDWIDTH if n not in {t.name for t in inp.tiers}]
+    if absent:
+        notes.append(
+            f"tiers not shown: {', '.join(absent)} (neither found on this host nor given; "
+            "add one with --tier NAME=SIZE[@BANDWIDTH])"
+        )
     return {
         "model": shape.as_dict(),
         "kv_budget": budget,
