@@ -289,6 +289,7 @@ def test_cli_plan_with_agent_and_live_gpu(monkeypatch, capsys):
     assert "engine-reported capacity 65,536 tokens" in out
     assert "knee ttft band 95-100%" in out
     assert "dram" in out and "cxl" in out
+    assert "so it differs from `kvpressure explain`'s p99" in out  # says why they disagree
 
 
 def test_readme_plan_example_runs_as_printed_from_a_clean_clone(capsys):
@@ -339,3 +340,54 @@ def test_tiers_neither_found_nor_given_are_not_assumed(capsys):
     rows = [x.split()[0] for x in out.split("TIER ", 1)[1].splitlines()[1:] if x and x[0] != "n"]
     assert "cxl" not in rows and "ssd" in rows and "assumed" not in out
     assert "tiers not shown: cxl (neither found on this host nor given" in out
+
+
+def test_plan_agent_llamacpp_reads_name_and_kv_dtype_from_the_gguf_it_serves(tmp_path, capsys):
+    """`plan --agent` for llama.cpp: the GGUF named by the engine's /props gives the model's
+    name, layout and KV dtype, not "(agent, ?)" and "KV dtype unknown"."""
+    import http.server
+    import threading
+
+    from test_capacity_kvbytes import _write_gguf
+
+    gguf_path = tmp_path / "tiny-llama.gguf"
+    _write_gguf(gguf_path, "llama", {
+        "{arch}.block_count": 32, "{arch}.attention.head_count": 32,
+        "{arch}.attention.head_count_kv": 8, "{arch}.embedding_length": 4096,
+        "{arch}.context_length": 131072,
+    })  # fmt: skip
+    docs: dict[str, object] = {}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = json.dumps(docs.get(self.path, {})).encode()
+            self.send_response(200 if self.path in docs else 404)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    inst = f"127.0.0.1:{srv.server_address[1]}"
+    eng = {"engine": "llamacpp", "instance": inst}
+    docs["/props"] = {"model_path": str(gguf_path), "total_slots": 4}
+    docs["/api/v1/snapshot"] = {"samples": [
+        {"name": "kvpressure_engine_up", "labels": eng, "value": 1},
+        {"name": "kvpressure_engine_info",
+         "labels": {**eng, "type": "llamacpp", "model": "tiny-llama.gguf"}, "value": 1},
+        {"name": "kvpressure_engine_kv_cache_capacity_tokens", "labels": eng, "value": 8192},
+        {"name": "kvpressure_kv_bytes_per_token", "labels": eng, "value": 131072},
+    ]}  # fmt: skip
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        assert main(["plan", "--agent", f"http://{inst}", "--context", "2k"]) == 0
+    finally:
+        srv.shutdown()
+    out = capsys.readouterr().out
+    head = out.splitlines()[0]
+    assert "(agent, ?)" not in head and "unknown" not in head
+    assert "(gguf, llama), KV dtype f16" in head
+    assert "KV per token 128.0 KiB" in out  # the GGUF's layout agrees with the agent's figure
+    assert f"layout read from {gguf_path}, the GGUF llamacpp serves" in out

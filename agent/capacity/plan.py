@@ -37,6 +37,7 @@ sequential read). Reload seconds per token = bytes per token / bandwidth.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -156,6 +157,7 @@ class LiveFacts:
         gpu_memory_bytes: the largest accelerator's memory total.
         host_available_bytes: host memory available.
         cxl_free_bytes: free bytes on CPU-less (CXL) NUMA nodes.
+        instance: the engine's ``instance`` label (``host:port``) when it has one.
     """
 
     engine: str
@@ -173,6 +175,7 @@ class LiveFacts:
     gpu_memory_bytes: float | None = None
     host_available_bytes: float | None = None
     cxl_free_bytes: float | None = None
+    instance: str | None = None
 
 
 def live_from_snapshot(snap: Mapping[str, Any], engine: str | None = None) -> LiveFacts:
@@ -240,6 +243,14 @@ def live_from_snapshot(snap: Mapping[str, Any], engine: str | None = None) -> Li
     ]
     etype = info[0].get("type") if info else None
     model = info[0].get("model") if info else None
+    instance = next(
+        (
+            lab["instance"]
+            for n, lab, _ in samples
+            if n == "kvpressure_engine_up" and lab.get("engine") == engine and lab.get("instance")
+        ),
+        None,
+    )
     cap = total("kvpressure_engine_kv_cache_capacity_tokens")
     used = total("kvpressure_engine_kv_cache_used_tokens")
     ratio = total("kvpressure_engine_kv_cache_usage_ratio")
@@ -270,7 +281,35 @@ def live_from_snapshot(snap: Mapping[str, Any], engine: str | None = None) -> Li
         gpu_memory_bytes=host("kvpressure_gpu_memory_total_bytes", "max"),
         host_available_bytes=host("kvpressure_host_memory_available_bytes", "max"),
         cxl_free_bytes=host("kvpressure_memory_tier_bytes", tier="cxl", state="free"),
+        instance=instance,
     )
+
+
+def llamacpp_gguf(live: LiveFacts, timeout_s: float = 3.0) -> str | None:
+    """The GGUF file a llama.cpp engine serves, when it is readable on this host.
+
+    The engine's ``model`` label when that is a path to a ``.gguf`` file, else ``model_path``
+    from one ``GET http://<instance>/props`` (the same rule the agent's capacity sampler
+    follows). ``None`` for other engines, or when neither names a readable file here (the
+    agent runs elsewhere, or the engine is gone).
+    """
+    if live.engine_type != "llamacpp":
+        return None
+    if live.model and live.model.lower().endswith(".gguf") and Path(live.model).is_file():
+        return live.model
+    if not live.instance:
+        return None
+    import httpx
+
+    try:
+        r = httpx.get(f"http://{live.instance}/props", timeout=timeout_s)
+        r.raise_for_status()
+        path = r.json().get("model_path")
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return None
+    if isinstance(path, str) and path.lower().endswith(".gguf") and Path(path).is_file():
+        return path
+    return None
 
 
 def fetch_live(url: str, engine: str | None = None, timeout_s: float = 5.0) -> LiveFacts:
@@ -594,10 +633,17 @@ def render_plan(plan: Mapping[str, Any]) -> str:
     """Render :func:`make_plan`'s result as the text tables ``kvpressure plan`` prints."""
     m = plan["model"]
     b = plan["kv_budget"]
-    lines = [
-        f"model        {m['model'] or '?'} ({m['source']}, {m['architecture'] or '?'}), "
-        f"KV dtype {m['kv_dtype']}",
-    ]
+    if m["source"] == "agent" and m["kv_dtype"] == "unknown":
+        head = (
+            f"model        {m['model'] or '?'} (bytes per token as the agent measured them; "
+            "pass --gguf or --hf-config for its layout and KV dtype)"
+        )
+    else:
+        head = (
+            f"model        {m['model'] or '?'} ({m['source']}, {m['architecture'] or '?'}), "
+            f"KV dtype {m['kv_dtype']}"
+        )
+    lines = [head]
     if m["latent_dim"]:
         how = (
             f"{m['full_attention_layers']} layers x latent {m['latent_dim']} x "
@@ -646,7 +692,9 @@ def render_plan(plan: Mapping[str, Any]) -> str:
         "doubling users doubles KV demand; TAIL TTFT = observed TTFT p99 in the band the "
         "demand lands in + queueing waves"
         + (
-            ""
+            "; a what-if for this demand from the knee since the agent started, so it differs "
+            "from `kvpressure explain`'s p99, which is over the requests actually seen in its "
+            "window, at whatever occupancy they met"
             if plan["live"] and plan["live"]["knee"]
             else " (needs --agent with an observed knee)"
         )
@@ -755,12 +803,20 @@ def run_plan(args: Any) -> int:
         except Exception as exc:  # noqa: BLE001 - httpx errors: say which agent did not answer
             return fail(f"no agent answering at {args.agent} ({type(exc).__name__}: {exc})")
     model_path = args.hf_config or args.gguf
+    served = None
+    if model_path is None and live is not None:
+        served = model_path = llamacpp_gguf(live)  # llama.cpp: its GGUF gives name and dtype
     weights_how = "--weights" if weights is not None else ""
     if model_path:
         try:
             shape = load_shape(model_path, args.kv_dtype)
         except (OSError, ValueError, ModelShapeError) as exc:
             return fail(f"{model_path}: {exc}")
+        if served and live is not None:
+            shape = dataclasses.replace(
+                shape,
+                notes=(*shape.notes, f"layout read from {served}, the GGUF {live.engine} serves"),
+            )
         if weights is None:
             w = weights_for(model_path)
             if w is not None:
