@@ -358,7 +358,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kvpressure`` console script; returns the exit code."""
     args = build_parser().parse_args(argv)
-    rc: int = args.func(args)
+    try:
+        rc: int = args.func(args)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # `kvpressure plan ... | head`: the reader left; exit quietly, as cat does.
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     return rc
 
 

@@ -170,3 +170,18 @@ def test_snapshot_reports_a_sampler_without_device_as_unsupported():
         "host": ("up", True),
         "engine:vllm": ("down", False),
     }
+
+
+def test_a_reader_that_leaves_early_gets_no_traceback():
+    """`kvpressure metrics | head -1`: the closed pipe ends the command quietly."""
+    p = subprocess.Popen(
+        [sys.executable, "-m", "agent.cli", "metrics"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        bufsize=0,
+    )
+    assert p.stdout is not None and p.stdout.read(10)
+    p.stdout.close()
+    _, err = p.communicate(timeout=30)
+    assert b"Traceback" not in err and b"BrokenPipe" not in err
+    assert p.returncode in (0, 141)

@@ -306,3 +306,12 @@ def test_html_report_says_what_is_missing_instead_of_drawing_zeros():
     assert "No snapshot was read, so no knee." in page
     assert "No slow requests in this window." in page
     assert "No requests in this period." in page
+
+
+def test_explain_html_to_an_unwritable_path_is_one_line_and_exit_1(daemon, capsys, tmp_path):
+    base = f"http://127.0.0.1:{daemon.bound_port}"
+    assert main(["explain", "--url", base, "--html", str(tmp_path / "no" / "such" / "x.html")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("kvpressure explain: cannot write ") and err.count("\n") == 1
+    assert main(["explain", "--url", base, "--html", str(tmp_path / "x.html")]) == 0
+    assert (tmp_path / "x.html").read_text().startswith("<!DOCTYPE html>")
