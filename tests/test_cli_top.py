@@ -85,3 +85,17 @@ def test_top_once_exits_1_without_agent():
     assert r.returncode == 1
     assert "no agent answering at http://127.0.0.1:9" in r.stdout
     assert "Traceback" not in r.stderr
+
+
+def test_gpu_processes_are_joined_to_the_engine_they_serve():
+    snap = _snap(1.0)
+    snap["samples"] += [
+        {"name": "kvpressure_gpu_process_memory_bytes", "value": 3 * 2**30,
+         "labels": {"gpu": "0", "pid": "77", "process": "vllm", "engine": "vllm"}},
+        {"name": "kvpressure_gpu_process_memory_bytes", "value": 2**30,
+         "labels": {"gpu": "0", "pid": "9", "process": "python3"}},
+    ]  # fmt: skip
+    out = _text(render_frame(Frame(1.0, snap, None), {}, "u")).splitlines()
+    rows = [x.strip() for x in out if x.strip().startswith("pid ")]
+    assert rows[0].split() == ["pid", "77", "vllm", "->", "vllm", "3.0", "GiB"]  # largest first
+    assert rows[1].split() == ["pid", "9", "python3", "1.0", "GiB"]
