@@ -198,7 +198,7 @@ def render(doc: dict[str, Any]) -> str:
                 first = False
     ev: list[dict[str, Any]] = doc.get("evidence", [])
     if ev:
-        out += ["", "STRONGEST EVIDENCE (median over the slow requests given that cause)"]
+        out += ["", "STRONGEST EVIDENCE (median over the slow requests where that cause scored)"]
         last = ""
         for e in ev:
             rule = RULES_BY_NAME.get(e["signal"])

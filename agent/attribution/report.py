@@ -149,9 +149,10 @@ def knee_charts(snapshot: dict[str, Any] | None, engine: str | None) -> str:
             f'<div class="chart" style="display:inline-block;width:520px">{_svg(chart)}</div>'
         )
     out.append(
-        '<p class="note">Per band: requests observed in it (in brackets), since the agent '
-        "started. Latency that bends upward in the high bands is the knee: where filling the "
-        "KV cache starts to cost time.</p>"
+        '<p class="note">Per band: observations in it (in brackets: requests for TTFT, '
+        "token gaps or decode cycles for inter-token latency), since the agent started. "
+        "Latency that bends upward in the high bands is the knee: where filling the KV cache "
+        "starts to cost time.</p>"
     )
     return "\n".join(out)
 
