@@ -391,3 +391,26 @@ def test_plan_agent_llamacpp_reads_name_and_kv_dtype_from_the_gguf_it_serves(tmp
     assert "(gguf, llama), KV dtype f16" in head
     assert "KV per token 128.0 KiB" in out  # the GGUF's layout agrees with the agent's figure
     assert f"layout read from {gguf_path}, the GGUF llamacpp serves" in out
+
+
+def test_without_an_agent_cxl_is_shown_only_when_this_host_has_it(tmp_path):
+    """CPU-less NUMA nodes (CXL expanders) are read as the agent reads them; none, no tier."""
+    proc, sys_ = tmp_path / "proc", tmp_path / "sys"
+    (proc).mkdir()
+    (proc / "meminfo").write_text("MemTotal: 16000000 kB\nMemFree: 8000000 kB\n"
+                                  "MemAvailable: 9000000 kB\n")  # fmt: skip
+    nodes = sys_ / "devices/system/node"
+    for n, cpus, total, free in ((0, "0-7\n", 12000000, 6000000), (1, "\n", 4000000, 3500000)):
+        (nodes / f"node{n}").mkdir(parents=True)
+        (nodes / f"node{n}/cpulist").write_text(cpus)
+        (nodes / f"node{n}/meminfo").write_text(
+            f"Node {n} MemTotal: {total} kB\nNode {n} MemFree: {free} kB\n"
+        )
+    cxl = pl.local_cxl_free(str(sys_), str(proc))
+    assert cxl == 3500000 * 1024
+    tiers = {t.name: t for t in pl.default_tiers(None, [], 9e9, cxl)}
+    assert tiers["cxl"].capacity_from == "this host" and tiers["cxl"].capacity_bytes == cxl
+    assert "ssd" not in tiers
+    (nodes / "node1/cpulist").write_text("8-15\n")  # the same node with CPUs: plain DRAM
+    assert pl.local_cxl_free(str(sys_), str(proc)) is None
+    assert "cxl" not in {t.name for t in pl.default_tiers(None, [], 9e9, None)}

@@ -326,6 +326,39 @@ def fetch_live(url: str, engine: str | None = None, timeout_s: float = 5.0) -> L
     return live_from_snapshot(r.json(), engine)
 
 
+def local_cxl_free(sysfs_root: str = "/sys", procfs_root: str = "/proc") -> float | None:
+    """Free bytes on this host's CPU-less NUMA nodes (CXL memory), as the agent reads them.
+
+    Runs the host sampler's NUMA reading once (``/sys/devices/system/node/node*/cpulist``
+    empty: a CXL node; its ``meminfo`` ``MemFree``) and sums
+    ``kvpressure_memory_tier_bytes{tier="cxl",state="free"}``; ``None`` when the host has no
+    such node or no NUMA sysfs.
+    """
+    import logging
+
+    from agent.samplers.host import HostSampler
+    from agent.samples import Batch
+
+    host_log = logging.getLogger("agent.samplers.host")
+    level = host_log.level
+    host_log.setLevel(logging.CRITICAL)  # one-shot read: the sampler's hints are for the agent
+    try:
+        batch = Batch()
+        HostSampler(procfs_root, sysfs_root, memory_cgroup="none").collect(batch)
+    except Exception:  # noqa: BLE001 - a planning aid: an unreadable host means "not found"
+        return None
+    finally:
+        host_log.setLevel(level)
+    vals = [
+        s.value
+        for s in batch.samples
+        if s.name == "kvpressure_memory_tier_bytes"
+        and dict(s.labels).get("tier") == "cxl"
+        and dict(s.labels).get("state") == "free"
+    ]
+    return sum(vals) if vals else None
+
+
 def local_mem_available(meminfo: str | Path = "/proc/meminfo") -> float | None:
     """This host's ``MemAvailable`` in bytes, or ``None`` when unreadable."""
     try:
@@ -341,6 +374,7 @@ def default_tiers(
     live: LiveFacts | None,
     overrides: Iterable[tuple[str, float | None, float | None]] = (),
     local_available: float | None = None,
+    local_cxl_free: float | None = None,
 ) -> list[Tier]:
     """Return the offload tiers to evaluate: the ones detected, then those given.
 
@@ -351,6 +385,7 @@ def default_tiers(
         live: agent facts (host available memory, CXL free bytes), if any.
         overrides: parsed ``--tier`` values.
         local_available: this host's available memory, used without an agent.
+        local_cxl_free: this host's free CXL memory, used without an agent.
     """
     caps: dict[str, tuple[float, str]] = {}
     if live is not None and live.host_available_bytes:
@@ -359,6 +394,8 @@ def default_tiers(
         caps["dram"] = (local_available, "this host")
     if live is not None and live.cxl_free_bytes:
         caps["cxl"] = (live.cxl_free_bytes, "agent")
+    elif live is None and local_cxl_free:
+        caps["cxl"] = (local_cxl_free, "this host")
     bws = dict(TIER_BANDWIDTH)
     for name, cap, bw in overrides:
         if cap is not None:
@@ -837,7 +874,12 @@ def run_plan(args: Any) -> int:
             return fail("--live-gpu needs --agent URL of an agent that reports GPU memory")
         memory = live.gpu_memory_bytes
     try:
-        tiers = default_tiers(live, tier_over, local_mem_available() if live is None else None)
+        tiers = default_tiers(
+            live,
+            tier_over,
+            local_mem_available() if live is None else None,
+            local_cxl_free() if live is None else None,
+        )
         plan = make_plan(
             PlanInputs(
                 shape=shape,
