@@ -144,25 +144,37 @@ def _lat(gauge: float | None, fallback: dict[str, Any], key: str) -> str:
     return fmt_seconds(float(v)) + "*" if isinstance(v, int | float) else "-"
 
 
-def engines_table(snap: view.Snap, atts: dict[str, Any] | None) -> tuple[Table, bool]:
+COMPACT_BELOW = 120
+"""Terminal columns under which ``top`` drops the engine's instance and merges the stall
+columns, so an 80-column terminal shows every value without ellipses."""
+
+
+def engines_table(
+    snap: view.Snap, atts: dict[str, Any] | None, compact: bool = False
+) -> tuple[Table, bool]:
     """The ENGINES panel (see the module docstring).
+
+    Args:
+        snap: the snapshot.
+        atts: the last minute's attributions document, if any.
+        compact: leave out the ``instance`` column (narrow terminals).
 
     Returns:
         The table, and whether a latency cell came from the request records (``*``).
     """
+    lat_heads = ("TTFT50", "TTFT99", "TPOT50", "TPOT99") if compact else (
+        "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99"
+    )  # fmt: skip
     t = _table(
         "ENGINES",
         ("ENGINE", "left"),
-        ("INSTANCE", "left"),
+        *((("INSTANCE", "left"),) if not compact else ()),
         ("UP", "right"),
         ("KV USED", "right"),
         ("KV TOKENS", "right"),
         ("RUN", "right"),
         ("WAIT", "right"),
-        ("TTFT p50", "right"),
-        ("TTFT p99", "right"),
-        ("TPOT p50", "right"),
-        ("TPOT p99", "right"),
+        *((h, "right") for h in lat_heads),
     )
     rows = view.engines(snap)
     starred = False
@@ -184,7 +196,7 @@ def engines_table(snap: view.Snap, atts: dict[str, Any] | None) -> tuple[Table, 
         up = Text(fmt_num(e.up), style="red" if e.up == 0 else "")
         t.add_row(
             e.engine,
-            e.instance,
+            *((e.instance,) if not compact else ()),
             up,
             fmt_pct(e.kv_ratio),
             tokens,
@@ -203,9 +215,16 @@ _STALL_HEAD = {"idle_with_queue": "IDLE+QUEUE", "memory_bound": "MEM-BOUND",
 
 
 def gpus_table(
-    snap: view.Snap, stall: dict[tuple[str, str], float], samplers: list[dict[str, Any]]
+    snap: view.Snap,
+    stall: dict[tuple[str, str], float],
+    samplers: list[dict[str, Any]],
+    compact: bool = False,
 ) -> RenderableType:
-    """The GPUS panel: one row per GPU, its processes below it (see the module docstring)."""
+    """The GPUS panel: one row per GPU, its processes below it (see the module docstring).
+
+    ``compact`` (narrow terminals) merges the three stall shares into one ``i/m/t`` column
+    (idle with queue / memory-bound / throttled).
+    """
     rows = view.gpus(snap)
     if not rows:
         gpu = next((s for s in samplers if s.get("sampler") == "gpu"), None)
@@ -216,6 +235,9 @@ def gpus_table(
             if x.get("state") != "ok"
         )
         return Text.assemble(("GPUS", "bold"), f"  {state}" + (f" ({why})" if why else ""))
+    stall_cols = (("STALL i/m/t", "right"),) if compact else tuple(
+        (_STALL_HEAD[r], "right") for r in STALL_REASONS
+    )  # fmt: skip
     t = _table(
         "GPUS  (stalled: share of the time since the last refresh, by reason)",
         ("GPU", "left"),
@@ -224,10 +246,17 @@ def gpus_table(
         ("RESERVED", "right"),
         ("TOTAL", "right"),
         ("UTIL", "right"),
-        ("MEM BW", "right"),
-        *((_STALL_HEAD[r], "right") for r in STALL_REASONS),
+        ("BW" if compact else "MEM BW", "right"),
+        *stall_cols,
     )
+    if compact:
+        t.columns[1].max_width = 14
+        t.columns[1].overflow = "ellipsis"
     for g in rows:
+        shares = [fmt_pct(stall.get((g.gpu, r)), ".0f") for r in STALL_REASONS]
+        if compact:
+            nums = [x.removesuffix("%") for x in shares]
+            shares = ["-" if all(x == "-" for x in nums) else "/".join(nums) + "%"]
         t.add_row(
             g.gpu,
             Text(g.name or "-", style="bold") if g.up != 0 else Text("(lost)", style="red"),
@@ -236,7 +265,7 @@ def gpus_table(
             fmt_bytes(g.total),
             fmt_pct(g.utilization, ".0f"),
             fmt_pct(g.bandwidth, ".0f"),
-            *(fmt_pct(stall.get((g.gpu, r)), ".0f") for r in STALL_REASONS),
+            *shares,
         )
         for p in g.processes:
             who = f"  pid {p.pid} {p.process}" + (f" -> {p.engine}" if p.engine else "")
@@ -291,8 +320,14 @@ def slow_panel(atts: dict[str, Any] | None) -> RenderableType:
     return Group(title, t, newest)
 
 
-def render_frame(frame: Frame, stall: dict[tuple[str, str], float], url: str) -> RenderableType:
-    """The whole screen for one frame."""
+def render_frame(
+    frame: Frame, stall: dict[tuple[str, str], float], url: str, width: int | None = None
+) -> RenderableType:
+    """The whole screen for one frame.
+
+    ``width`` (terminal columns) picks the compact layout below :data:`COMPACT_BELOW`.
+    """
+    compact = width is not None and width < COMPACT_BELOW
     clock = time.strftime("%H:%M:%S", time.localtime(frame.at))
     if frame.snapshot is None:
         return Group(
@@ -315,13 +350,13 @@ def render_frame(frame: Frame, stall: dict[tuple[str, str], float], url: str) ->
         for s in samplers
         if view.sampler_state(s) != "up"
     ]
-    engines, starred = engines_table(snap, frame.attributions)
+    engines, starred = engines_table(snap, frame.attributions, compact)
     parts: list[RenderableType] = [
         head,
         Text(""),
         engines,
         Text("* from the agent's request records of the last minute" if starred else ""),
-        gpus_table(snap, stall, samplers),
+        gpus_table(snap, stall, samplers, compact),
         Text(""),
         host_text(snap),
         Text(""),
@@ -391,7 +426,7 @@ def run_top(url: str, interval_s: float, timeout_s: float, once: bool = False) -
             out = Console()
             if not out.is_terminal:
                 out = Console(width=WIDTH_WHEN_PIPED)
-            out.print(render_frame(frame, rates, url))
+            out.print(render_frame(frame, rates, url, out.width))
             return 0 if frame.snapshot is not None else 1
         console = Console()
         try:
@@ -406,7 +441,7 @@ def run_top(url: str, interval_s: float, timeout_s: float, once: bool = False) -
                         if frame.snapshot is not None
                         else {}
                     )
-                    live.update(render_frame(frame, rates, url), refresh=True)
+                    live.update(render_frame(frame, rates, url, console.width), refresh=True)
                     if _wait_for_quit(interval_s, keys):
                         return 0
         except KeyboardInterrupt:

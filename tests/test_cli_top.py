@@ -99,3 +99,22 @@ def test_gpu_processes_are_joined_to_the_engine_they_serve():
     rows = [x.strip() for x in out if x.strip().startswith("pid ")]
     assert rows[0].split() == ["pid", "77", "vllm", "->", "vllm", "3.0", "GiB"]  # largest first
     assert rows[1].split() == ["pid", "9", "python3", "1.0", "GiB"]
+
+
+def test_an_80_column_terminal_gets_the_compact_layout_without_ellipses():
+    snap = _snap(1.0)
+    snap["samples"].append(
+        {"name": "kvpressure_gpu_memory_used_bytes", "labels": {"gpu": "0"}, "value": 2**29}
+    )
+    frame = Frame(1.0, snap, None)
+    c = Console(width=80, record=True, file=io.StringIO())
+    c.print(render_frame(frame, {("0", "idle_with_queue"): 0.5, ("0", "throttled"): 0.0,
+                                 ("0", "memory_bound"): 0.25}, "u", 80))  # fmt: skip
+    lines = c.export_text().splitlines()
+    assert all(len(x) <= 80 for x in lines)
+    eng = next(x for x in lines if x.startswith("vllm "))
+    assert "…" not in eng and "h:8000" not in eng  # the instance is left out when narrow
+    gpu = next(x for x in lines if x.startswith("0 "))
+    assert "…" not in gpu and gpu.split()[-1] == "50/25/0%"
+    head = next(x for x in lines if x.startswith("GPU "))
+    assert head.split()[-2:] == ["STALL", "i/m/t"]
