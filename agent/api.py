@@ -3,17 +3,20 @@
 ``/api/v1/snapshot`` returns JSON::
 
     {"time": 1796054431.2, "version": "0.1.0", "uptime_s": 12.5,
-     "samplers": [{"sampler": "host", "up": true, "duration_s": 0.004, "reason": "",
+     "samplers": [{"sampler": "host", "state": "up", "up": true, "duration_s": 0.004, "reason": "",
                    "age_s": 0.3, "sources": [{"source": "psi", "state": "ok", "reason": ""}]}],
      "samples": [{"name": "kvpressure_host_memory_total_bytes", "labels": {}, "value": 1.6e10}]}
 
-``kvpressure status`` reads it.
+A sampler's ``state`` is ``up``, ``down`` (its last cycle failed: ``reason`` says why) or
+``unsupported`` (it ran, but every source it has is missing on this host, e.g. the GPU
+sampler without an NVML library: ``sources`` says which and why); ``up`` is true only for
+``state == "up"``. ``kvpressure status`` and ``kvpressure top`` read it.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from aiohttp import web
@@ -21,8 +24,27 @@ from prometheus_client.registry import CollectorRegistry
 
 from agent import __version__
 from agent.attribution.store import AttributionStore
-from agent.state import AgentState
+from agent.state import AgentState, SamplerReport
 from exporters.prometheus import render
+
+
+def sampler_state(r: SamplerReport) -> str:
+    """``up``, ``down`` or ``unsupported`` for one sampler report (see the module docstring).
+
+    ``unsupported``: the cycle succeeded, produced no samples, and every source it reported
+    is unsupported (a host with no device for this sampler).
+    """
+    if not r.ok:
+        return "down"
+    b = r.batch
+    if (
+        b is not None
+        and not b.samples
+        and b.sources
+        and all(s.state == "unsupported" for s in b.sources)
+    ):
+        return "unsupported"
+    return "up"
 
 
 def snapshot(state: AgentState) -> dict[str, Any]:
@@ -30,10 +52,12 @@ def snapshot(state: AgentState) -> dict[str, Any]:
     now = time.time()
     samplers = []
     for r in state.reports():
+        st = sampler_state(r)
         samplers.append(
             {
                 "sampler": r.sampler,
-                "up": r.ok,
+                "state": st,
+                "up": st == "up",
                 "duration_s": r.duration_s,
                 "reason": r.reason,
                 "age_s": max(0.0, now - r.ts),
@@ -92,12 +116,30 @@ def make_app(
     return app
 
 
-def attribution_routes(store: AttributionStore, window_s: float) -> list[web.RouteDef]:
+def attribution_routes(
+    store: AttributionStore,
+    window_s: float,
+    started: float | None = None,
+    min_score: float = 0.3,
+    known_engines: Callable[[], Iterable[str]] | None = None,
+) -> list[web.RouteDef]:
     """``GET /api/v1/attributions?since=10m[&engine=E][&limit=N]`` for ``kvpressure explain``.
 
     ``since`` is a duration (``600``, ``90s``, ``10m``, ``1h``; default ``10m``); the answer
-    is :meth:`agent.attribution.store.AttributionStore.query`'s document. A bad parameter is
-    answered 400 with ``{"error": ...}``.
+    is :meth:`agent.attribution.store.AttributionStore.query`'s document, plus
+    ``agent_started`` (Unix seconds) and ``requested_since`` (``now - since``): the
+    document's ``since`` never lies before the agent started (nothing was observed then),
+    unless a kept request ended earlier (a late OTLP span), and then not before it.
+    ``engines`` also lists the engines ``known_engines`` returns (those scraped, with or
+    without requests). A bad parameter is answered 400 with ``{"error": ...}``.
+
+    Args:
+        store: the attribution store.
+        window_s: window length (``attribution.window_s``), seconds.
+        started: the agent's start, Unix seconds (``AgentState.started``).
+        min_score: ``attribution.min_score``.
+        known_engines: engine labels known beyond the store's (e.g. from
+            ``kvpressure_engine_up``).
     """
     from agent.attribution.explain import parse_since
 
@@ -109,9 +151,22 @@ def attribution_routes(store: AttributionStore, window_s: float) -> list[web.Rou
         except ValueError as exc:
             return web.json_response({"error": str(exc)}, status=400)
         now = time.time()
+        requested = now - since_s
+        floor = started
+        if started is not None and (oldest := store.oldest()) is not None:
+            floor = min(started, oldest)
         doc = store.query(
-            now - since_s, now, engine=q.get("engine") or None, limit=limit, window_s=window_s
+            requested if floor is None else max(requested, floor),
+            now,
+            engine=q.get("engine") or None,
+            limit=limit,
+            window_s=window_s,
+            min_score=min_score,
         )
+        doc["requested_since"] = requested
+        doc["agent_started"] = started
+        if known_engines is not None:
+            doc["engines"] = sorted(set(doc["engines"]) | set(known_engines()))
         return web.json_response(doc)
 
     return [web.get("/api/v1/attributions", attributions)]

@@ -1,7 +1,7 @@
 """The ``kvpressure`` command.
 
-Subcommands: ``run``, ``check-config``, ``status``, ``default-config``, ``metrics``,
-``plan``, ``explain``, ``gpu record``.
+Subcommands: ``run``, ``check-config``, ``status``, ``top``, ``default-config``,
+``metrics``, ``plan``, ``explain``, ``gpu record``.
 
 Exit codes: 0 success; 1 invalid config, or no agent answering (``status``); 2 usage error.
 """
@@ -62,20 +62,6 @@ def _cmd_check_config(args: argparse.Namespace) -> int:
     return 0
 
 
-def _fmt_bytes(v: float | None) -> str:
-    if v is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(v) < 1024 or unit == "TiB":
-            return f"{v:.1f} {unit}" if unit != "B" else f"{v:.0f} B"
-        v /= 1024
-    return "-"  # pragma: no cover
-
-
-def _fmt(v: float | None, spec: str = ".0f") -> str:
-    return "-" if v is None else format(v, spec)
-
-
 def render_status(snap: dict[str, Any]) -> str:
     """Render an ``/api/v1/snapshot`` document as the compact ``status`` table.
 
@@ -83,73 +69,101 @@ def render_status(snap: dict[str, Any]) -> str:
         snap: the decoded JSON snapshot (see :mod:`agent.api`).
 
     Returns:
-        Multi-line text: host memory and PSI, one row per engine, one row per sampler.
-        Values the agent does not have are shown as ``-``.
+        Multi-line text: host memory and PSI, one row per engine, one row per GPU (memory
+        used/reserved/total, utilization, memory bandwidth) followed by its processes, and
+        one row per sampler with its state (``up``, ``down``, ``unsupported``). Values the
+        agent does not have are shown as ``-``.
     """
+    from agent import view
+    from agent.view import fmt_bytes, fmt_num, fmt_pct
 
-    def one(name: str, **labels: str) -> float | None:
-        for s in snap.get("samples", []):
-            if s["name"] == name and all(s["labels"].get(k) == v for k, v in labels.items()):
-                return float(s["value"])
-        return None
-
-    lines = [f"kvpressure {snap.get('version', '?')}  uptime {snap.get('uptime_s', 0):.0f} s", ""]
-    total = one("kvpressure_host_memory_total_bytes")
-    avail = one("kvpressure_host_memory_available_bytes")
-    swap = one("kvpressure_host_swap_used_bytes")
+    sn = view.Snap(snap)
+    uptime = snap.get("uptime_s")
+    lines = [
+        f"kvpressure {snap.get('version', '?')}  uptime "
+        f"{fmt_num(uptime if isinstance(uptime, int | float) else None)} s",
+        "",
+    ]
+    h = view.host(sn)
     lines.append(
-        f"host memory  total {_fmt_bytes(total)}  available {_fmt_bytes(avail)}  "
-        f"swap used {_fmt_bytes(swap)}"
+        f"host memory  total {fmt_bytes(h.total)}  available {fmt_bytes(h.available)}  "
+        f"swap used {fmt_bytes(h.swap_used)}"
     )
-    psi = []
-    for res in ("cpu", "memory", "io"):
-        for kind in ("some", "full"):
-            v = one("kvpressure_psi_avg10_ratio", resource=res, kind=kind, scope="system")
-            if v is not None:
-                psi.append(f"{res}.{kind} {v * 100:.1f}%")
+    psi = [f"{k} {v * 100:.1f}%" for k, v in h.psi.items()]
     lines.append("psi avg10    " + ("  ".join(psi) if psi else "unavailable"))
     lines.append("")
-    engines = sorted(
-        {
-            (s["labels"].get("engine", ""), s["labels"].get("instance", ""))
-            for s in snap.get("samples", [])
-            if s["name"] == "kvpressure_engine_up"
-        }
-    )
     lines.append(
         f"{'ENGINE':<16} {'INSTANCE':<22} {'UP':<3} {'KV USED':>8} {'KV TOKENS':>17} "
         f"{'RUNNING':>7} {'WAITING':>7}"
     )
+    engines = view.engines(sn)
     if not engines:
         lines.append("(no engines configured or discovered)")
-    for eng, inst in engines:
-        lab = {"engine": eng, "instance": inst}
-        up = one("kvpressure_engine_up", **lab)
-        ratio = one("kvpressure_engine_kv_cache_usage_ratio", **lab)
-        used = one("kvpressure_engine_kv_cache_used_tokens", **lab)
-        cap = one("kvpressure_engine_kv_cache_capacity_tokens", **lab)
-        tokens = f"{_fmt(used)}/{_fmt(cap)}" if used is not None or cap is not None else "-"
+    for e in engines:
+        tokens = (
+            f"{fmt_num(e.kv_used)}/{fmt_num(e.kv_capacity)}"
+            if e.kv_used is not None or e.kv_capacity is not None
+            else "-"
+        )
         lines.append(
-            f"{eng:<16} {inst:<22} {_fmt(up):<3} "
-            f"{('-' if ratio is None else f'{ratio * 100:.1f}%'):>8} {tokens:>17} "
-            f"{_fmt(one('kvpressure_engine_requests_running', **lab)):>7} "
-            f"{_fmt(one('kvpressure_engine_requests_waiting', **lab)):>7}"
+            f"{e.engine:<16} {e.instance:<22} {fmt_num(e.up):<3} {fmt_pct(e.kv_ratio):>8} "
+            f"{tokens:>17} {fmt_num(e.running):>7} {fmt_num(e.waiting):>7}"
         )
     lines.append("")
-    lines.append(f"{'SAMPLER':<28} {'UP':<4} {'DURATION':>9}  NOTES")
+    lines += _gpu_lines(sn, snap.get("samplers", []))
+    lines.append("")
+    lines.append(f"{'SAMPLER':<28} {'STATE':<11} {'DURATION':>9}  NOTES")
     for s in snap.get("samplers", []):
         notes = [
-            f"{x['source']}:{x['state']}" + (f"({x['reason']})" if x["reason"] else "")
+            f"{x['source']}:{x['state']}" + (f"({x['reason']})" if x.get("reason") else "")
             for x in s.get("sources", [])
-            if x["state"] != "ok"
+            if x.get("state") != "ok"
         ]
         if s.get("reason"):
             notes.insert(0, s["reason"])
+        dur = s.get("duration_s")
         lines.append(
-            f"{s['sampler']:<28} {('yes' if s['up'] else 'NO'):<4} "
-            f"{s['duration_s'] * 1000:>7.1f}ms  {' '.join(notes)}"
+            f"{s.get('sampler', '?'):<28} {view.sampler_state(s):<11} "
+            f"{fmt_num(dur * 1000 if isinstance(dur, int | float) else None, '.1f'):>7}ms  "
+            f"{' '.join(notes)}".rstrip()
         )
     return "\n".join(lines)
+
+
+def _gpu_lines(sn: Any, samplers: list[dict[str, Any]]) -> list[str]:
+    """The GPU section of ``status``: one row per GPU, then its processes indented."""
+    from agent import view
+    from agent.view import fmt_bytes, fmt_pct
+
+    rows = view.gpus(sn)
+    if not rows:
+        gpu = next((s for s in samplers if s.get("sampler") == "gpu"), None)
+        if gpu is None:
+            return ["GPU  (gpu sampler not running)"]
+        why = [
+            f"{x['source']}: {x.get('reason') or x.get('state')}"
+            for x in gpu.get("sources", [])
+            if x.get("state") != "ok"
+        ]
+        return [f"GPU  {view.sampler_state(gpu)}" + (f" ({'; '.join(why)})" if why else "")]
+    out = [
+        f"{'GPU':<6} {'NAME':<20} {'MEM USED':>10} {'RESERVED':>10} {'TOTAL':>10} "
+        f"{'USED%':>6} {'UTIL':>5} {'MEM BW':>6}"
+    ]
+    for g in rows:
+        used_pct = g.used / g.total if g.used is not None and g.total else None
+        name = (g.name or "-") if g.up != 0 else "(lost)"
+        out.append(
+            f"{g.gpu:<6} {name[:20]:<20} {fmt_bytes(g.used):>10} {fmt_bytes(g.reserved):>10} "
+            f"{fmt_bytes(g.total):>10} {fmt_pct(used_pct, '.0f'):>6} "
+            f"{fmt_pct(g.utilization, '.0f'):>5} {fmt_pct(g.bandwidth, '.0f'):>6}"
+        )
+        for p in g.processes:
+            out.append(
+                f"  pid {p.pid:<8} {p.process[:16]:<16} {fmt_bytes(p.memory):>10}"
+                + (f"  engine {p.engine}" if p.engine else "")
+            )
+    return out
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
@@ -165,6 +179,16 @@ def _cmd_status(args: argparse.Namespace) -> int:
         return 1
     print(json.dumps(snap, indent=2) if args.json else render_status(snap))
     return 0
+
+
+def _cmd_top(args: argparse.Namespace) -> int:
+    """``kvpressure top``: exit 0 on ``q``; 1 with ``--once`` when no agent answers."""
+    from agent.top import run_top
+
+    if args.interval <= 0:
+        print("kvpressure top: --interval must be positive", file=sys.stderr)
+        return 2
+    return run_top(args.url, args.interval, args.timeout, once=args.once)
 
 
 def _cmd_default_config(_: argparse.Namespace) -> int:
@@ -217,7 +241,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _cmd_explain(args: argparse.Namespace) -> int:
-    """``kvpressure explain``: exit 0, 1 when no agent answers, 2 for a bad ``--since``."""
+    """``kvpressure explain``: exit 0; 1 no agent answers; 2 bad ``--since`` or unknown engine.
+
+    An ``--engine`` the agent does not know is named with the engines it knows.
+    """
     import httpx
 
     from agent.attribution.explain import parse_since, render
@@ -227,7 +254,7 @@ def _cmd_explain(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"kvpressure explain: --since: {exc}", file=sys.stderr)
         return 2
-    params = {"since": f"{since_s:g}", "limit": "200"}
+    params = {"since": f"{since_s:g}", "limit": "5000" if args.html else "200"}
     if args.engine:
         params["engine"] = args.engine
     url = args.url.rstrip("/") + "/api/v1/attributions"
@@ -238,7 +265,43 @@ def _cmd_explain(args: argparse.Namespace) -> int:
     except (httpx.HTTPError, ValueError) as exc:
         print(f"kvpressure explain: no agent answering at {args.url} ({exc})", file=sys.stderr)
         return 1
+    known = doc.get("engines") if isinstance(doc, dict) else None
+    if args.engine and isinstance(known, list) and args.engine not in known:
+        print(
+            f"kvpressure explain: the agent at {args.url} knows no engine {args.engine!r}; "
+            + (f"it knows: {', '.join(known)}" if known else "it knows none yet"),
+            file=sys.stderr,
+        )
+        return 2
+    if args.html:
+        return _write_html(args, doc)
     print(json.dumps(doc, indent=2) if args.json else render(doc))
+    return 0
+
+
+def _write_html(args: argparse.Namespace, doc: dict[str, Any]) -> int:
+    """Write ``explain --html FILE`` (the knee comes from the agent's snapshot); exit 0 or 1."""
+    import httpx
+
+    from agent.attribution.report import render_html
+
+    snap: dict[str, Any] | None = None
+    try:
+        resp = httpx.get(args.url.rstrip("/") + "/api/v1/snapshot", timeout=args.timeout)
+        resp.raise_for_status()
+        got = resp.json()
+        snap = got if isinstance(got, dict) else None
+    except (httpx.HTTPError, ValueError):
+        snap = None  # the page says there is no knee
+    page = render_html(doc, snap, args.engine)
+    try:
+        with open(args.html, "w", encoding="utf-8") as f:
+            f.write(page)
+    except OSError as exc:
+        print(f"kvpressure explain: cannot write {args.html}: {exc}", file=sys.stderr)
+        return 1
+    n = len(doc.get("attributions", []))
+    print(f"kvpressure explain: wrote {args.html} ({n} slow request(s), {len(page):,} bytes)")
     return 0
 
 
@@ -263,6 +326,13 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true", help="print the raw snapshot JSON")
     st.add_argument("--timeout", type=float, default=3.0, help="seconds")
     st.set_defaults(func=_cmd_status)
+
+    tp = sub.add_parser("top", help="full-screen live view of a running agent (q quits)")
+    tp.add_argument("--url", default="http://127.0.0.1:9470", help="agent base URL")
+    tp.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
+    tp.add_argument("--timeout", type=float, default=3.0, help="seconds")
+    tp.add_argument("--once", action="store_true", help="print one frame to stdout and exit")
+    tp.set_defaults(func=_cmd_top)
 
     dc = sub.add_parser("default-config", help="print the embedded default config")
     dc.set_defaults(func=_cmd_default_config)
@@ -317,7 +387,11 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--since", default="10m", help="look back this long (10m, 90s, 1h)")
     ex.add_argument("--url", default="http://127.0.0.1:9470", help="agent base URL")
     ex.add_argument("--engine", help="only this engine label")
-    ex.add_argument("--json", action="store_true", help="print the raw JSON document")
+    out = ex.add_mutually_exclusive_group()
+    out.add_argument("--json", action="store_true", help="print the raw JSON document")
+    out.add_argument(
+        "--html", metavar="FILE", help="write a self-contained HTML page with charts to FILE"
+    )
     ex.add_argument("--timeout", type=float, default=5.0, help="seconds")
     ex.set_defaults(func=_cmd_explain)
     return p

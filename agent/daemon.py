@@ -473,10 +473,23 @@ class Daemon:
         return True
 
     # ---- HTTP ----------------------------------------------------------------------
+    def _engine_labels(self) -> set[str]:
+        """Engine labels the samplers report now (``kvpressure_engine_up``), for ``explain``."""
+        return {
+            v for labels in self.state.latest("kvpressure_engine_up") for k, v in labels
+            if k == "engine"
+        }  # fmt: skip
+
     async def _serve(self, listen_host: str, listen_port: int) -> None:
         routes = [
             *self.otlp_receiver.routes(),
-            *attribution_routes(self.attributions, self.config.attribution.window_s),
+            *attribution_routes(
+                self.attributions,
+                self.config.attribution.window_s,
+                started=self.state.started,
+                min_score=self.config.attribution.min_score,
+                known_engines=self._engine_labels,
+            ),
         ]
         app = make_app(self.state, self._registry, routes)
         runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=0.5)

@@ -113,7 +113,45 @@ def test_dense_weight_estimate_llama_31_8b():
     b, how = est
     assert b / 2 == pytest.approx(8.03e9, rel=0.01)  # 8.03 B parameters x 2 B
     assert "dense estimate" in how
-    assert kb.estimate_hf_weights_bytes(json.loads((HF / "deepseek-v3.json").read_text())) is None
+
+
+# DeepSeek-V3's published config.json carries this block (the fixture trims it): its weights
+# ship in FP8, 1 byte per parameter.
+DEEPSEEK_FP8 = {
+    "activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+    "weight_block_size": [128, 128],
+}  # fmt: skip
+MIXTRAL_8X7B = {
+    "model_type": "mixtral", "hidden_size": 4096, "intermediate_size": 14336,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "num_hidden_layers": 32,
+    "num_local_experts": 8, "num_experts_per_tok": 2, "vocab_size": 32000,
+    "torch_dtype": "bfloat16",
+}  # fmt: skip
+
+
+def test_moe_weight_estimates_count_every_expert():
+    ds = json.loads((HF / "deepseek-v3.json").read_text())
+    b, how = kb.estimate_hf_weights_bytes(ds)  # MLA attention, 3 dense + 58 MoE layers
+    assert b / 2 == pytest.approx(671e9, rel=0.005)  # DeepSeek-V3: 671 B parameters, bf16
+    assert "MoE estimate: 256 experts + 1 shared x 58 layers" in how
+    b8, how8 = kb.estimate_hf_weights_bytes({**ds, "quantization_config": DEEPSEEK_FP8})
+    assert b8 == pytest.approx(671e9, rel=0.005) and "fp8 8-bit" in how8  # ~625 GiB as shipped
+    bm, _ = kb.estimate_hf_weights_bytes(MIXTRAL_8X7B)
+    assert bm / 2 == pytest.approx(46.7e9, rel=0.005)  # Mixtral-8x7B: 46.7 B parameters
+
+
+@pytest.mark.parametrize("name", ["qwen3-next-80b-a3b", "jamba-v0.1"])
+def test_hybrid_models_weights_are_not_guessed(name):
+    assert kb.estimate_hf_weights_bytes(json.loads((HF / f"{name}.json").read_text())) is None
+
+
+def test_unknown_quantization_is_not_guessed():
+    assert (
+        kb.estimate_hf_weights_bytes(
+            {**MIXTRAL_8X7B, "quantization_config": {"quant_method": "mystery"}}
+        )
+        is None
+    )
 
 
 # --- GGUF -------------------------------------------------------------------------------------

@@ -209,7 +209,8 @@ def test_plan_with_agent_uses_engine_capacity_and_the_knee():
     assert d16["tail_ttft_s"] == pytest.approx(d16["ttft_p99_s"] + service)
     tiers = {t["tier"]: t for t in p["tiers"]}
     assert tiers["dram"]["capacity_from"] == "agent" and tiers["cxl"]["capacity_from"] == "agent"
-    assert tiers["ssd"]["capacity_from"] == "assumed"
+    assert "ssd" not in tiers  # no SSD tier found or given: none assumed
+    assert any(n.startswith("tiers not shown: ssd") for n in p["notes"])
 
 
 def test_llamacpp_fit_is_the_slot_count():
@@ -288,3 +289,128 @@ def test_cli_plan_with_agent_and_live_gpu(monkeypatch, capsys):
     assert "engine-reported capacity 65,536 tokens" in out
     assert "knee ttft band 95-100%" in out
     assert "dram" in out and "cxl" in out
+    assert "so it differs from `kvpressure explain`'s p99" in out  # says why they disagree
+
+
+def test_readme_plan_example_runs_as_printed_from_a_clean_clone(capsys):
+    """The README's `kvpressure plan` example names a file the repository ships, and prints
+    what the README shows."""
+    import re
+    import shlex
+
+    root = Path(__file__).resolve().parents[1]
+    readme = (root / "README.md").read_text()
+    m = re.search(r"```console\n\$ (kvpressure plan (?:[^\n]*\\\n)*[^\n]*)\n(.*?)```", readme, re.S)
+    assert m, "no `kvpressure plan` example in the README"
+    argv = shlex.split(m.group(1).replace("\\\n", " "))[1:]
+    path = Path(argv[argv.index("--hf-config") + 1])
+    assert (root / path).is_file(), f"the README's example names {path}, which is not shipped"
+    argv[argv.index("--hf-config") + 1] = str(root / path)
+    assert main(argv) == 0
+    assert capsys.readouterr().out.rstrip() == m.group(2).rstrip()
+
+
+def test_deepseek_v3_on_8_h200_subtracts_its_moe_weights(tmp_path, capsys):
+    """The issue's case: 8 x 141 GiB no longer prints "weights 0 B"."""
+    cfg = json.loads((Path(__file__).parent / "fixtures/capacity/hf/deepseek-v3.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3"}  # as published
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    argv = ["plan", "--hf-config", str(tmp_path), "--gpu-memory", "141GiB", "--gpus", "8"]
+    assert main(argv) == 0
+    budget = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("KV budget"))
+    assert "weights 624.9 GiB (671.03 B parameters (MoE estimate" in budget
+    assert "KV budget    374.3 GiB" in budget  # 8 x 141 x 0.9 - 624.9 - 16
+
+
+def test_weights_that_cannot_be_estimated_are_said_loudly(capsys):
+    hf = Path(__file__).parent / "fixtures/capacity/hf/qwen3-next-80b-a3b.json"
+    assert main(["plan", "--hf-config", str(hf), "--gpu-memory", "80GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "weights UNKNOWN (not subtracted: pass --weights)" in out
+    assert "weights 0 B" not in out
+    assert "weights unknown and NOT subtracted, so the KV budget is too high" in out
+
+
+def test_tiers_neither_found_nor_given_are_not_assumed(capsys):
+    hf = Path(__file__).parent / "fixtures/capacity/hf/llama-3.1-8b.json"
+    assert (
+        main(["plan", "--hf-config", str(hf), "--gpu-memory", "80GiB", "--tier", "ssd=1TiB"]) == 0
+    )
+    out = capsys.readouterr().out
+    rows = [x.split()[0] for x in out.split("TIER ", 1)[1].splitlines()[1:] if x and x[0] != "n"]
+    assert "cxl" not in rows and "ssd" in rows and "assumed" not in out
+    assert "tiers not shown: cxl (neither found on this host nor given" in out
+
+
+def test_plan_agent_llamacpp_reads_name_and_kv_dtype_from_the_gguf_it_serves(tmp_path, capsys):
+    """`plan --agent` for llama.cpp: the GGUF named by the engine's /props gives the model's
+    name, layout and KV dtype, not "(agent, ?)" and "KV dtype unknown"."""
+    import http.server
+    import threading
+
+    from test_capacity_kvbytes import _write_gguf
+
+    gguf_path = tmp_path / "tiny-llama.gguf"
+    _write_gguf(gguf_path, "llama", {
+        "{arch}.block_count": 32, "{arch}.attention.head_count": 32,
+        "{arch}.attention.head_count_kv": 8, "{arch}.embedding_length": 4096,
+        "{arch}.context_length": 131072,
+    })  # fmt: skip
+    docs: dict[str, object] = {}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = json.dumps(docs.get(self.path, {})).encode()
+            self.send_response(200 if self.path in docs else 404)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    inst = f"127.0.0.1:{srv.server_address[1]}"
+    eng = {"engine": "llamacpp", "instance": inst}
+    docs["/props"] = {"model_path": str(gguf_path), "total_slots": 4}
+    docs["/api/v1/snapshot"] = {"samples": [
+        {"name": "kvpressure_engine_up", "labels": eng, "value": 1},
+        {"name": "kvpressure_engine_info",
+         "labels": {**eng, "type": "llamacpp", "model": "tiny-llama.gguf"}, "value": 1},
+        {"name": "kvpressure_engine_kv_cache_capacity_tokens", "labels": eng, "value": 8192},
+        {"name": "kvpressure_kv_bytes_per_token", "labels": eng, "value": 131072},
+    ]}  # fmt: skip
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        assert main(["plan", "--agent", f"http://{inst}", "--context", "2k"]) == 0
+    finally:
+        srv.shutdown()
+    out = capsys.readouterr().out
+    head = out.splitlines()[0]
+    assert "(agent, ?)" not in head and "unknown" not in head
+    assert "(gguf, llama), KV dtype f16" in head
+    assert "KV per token 128.0 KiB" in out  # the GGUF's layout agrees with the agent's figure
+    assert f"layout read from {gguf_path}, the GGUF llamacpp serves" in out
+
+
+def test_without_an_agent_cxl_is_shown_only_when_this_host_has_it(tmp_path):
+    """CPU-less NUMA nodes (CXL expanders) are read as the agent reads them; none, no tier."""
+    proc, sys_ = tmp_path / "proc", tmp_path / "sys"
+    (proc).mkdir()
+    (proc / "meminfo").write_text("MemTotal: 16000000 kB\nMemFree: 8000000 kB\n"
+                                  "MemAvailable: 9000000 kB\n")  # fmt: skip
+    nodes = sys_ / "devices/system/node"
+    for n, cpus, total, free in ((0, "0-7\n", 12000000, 6000000), (1, "\n", 4000000, 3500000)):
+        (nodes / f"node{n}").mkdir(parents=True)
+        (nodes / f"node{n}/cpulist").write_text(cpus)
+        (nodes / f"node{n}/meminfo").write_text(
+            f"Node {n} MemTotal: {total} kB\nNode {n} MemFree: {free} kB\n"
+        )
+    cxl = pl.local_cxl_free(str(sys_), str(proc))
+    assert cxl == 3500000 * 1024
+    tiers = {t.name: t for t in pl.default_tiers(None, [], 9e9, cxl)}
+    assert tiers["cxl"].capacity_from == "this host" and tiers["cxl"].capacity_bytes == cxl
+    assert "ssd" not in tiers
+    (nodes / "node1/cpulist").write_text("8-15\n")  # the same node with CPUs: plain DRAM
+    assert pl.local_cxl_free(str(sys_), str(proc)) is None
+    assert "cxl" not in {t.name for t in pl.default_tiers(None, [], 9e9, None)}

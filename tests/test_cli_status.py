@@ -134,3 +134,107 @@ def test_status_json_into_a_closed_pipe_ends_quietly() -> None:
         srv.server_close()
     assert "Traceback" not in r.stderr and "BrokenPipeError" not in r.stderr, r.stderr
     assert r.returncode == 141
+
+
+def _gpu_snap():
+    snap = _snap()
+
+    def s(metric, value, **labels):
+        return {"name": metric, "labels": labels, "value": value}
+
+    g = {"gpu": "0", "uuid": "GPU-1"}
+    snap["samplers"][1] = {
+        "sampler": "gpu",
+        "state": "up",
+        "up": True,
+        "duration_s": 0.002,
+        "reason": "",
+        "sources": [{"source": "nvml", "state": "ok", "reason": ""}],
+    }
+    snap["samples"] += [
+        s("kvpressure_gpu_up", 1, **g),
+        s("kvpressure_gpu_info", 1, name="NVIDIA H200", **g),
+        s("kvpressure_gpu_memory_total_bytes", 143771 * 2**20, **g),
+        s("kvpressure_gpu_memory_used_bytes", 85.3 * 2**30, **g),
+        s("kvpressure_gpu_memory_reserved_bytes", 700 * 2**20, **g),
+        s("kvpressure_gpu_utilization_ratio", 0.68, **g),
+        s("kvpressure_gpu_process_memory_bytes", 84 * 2**30, pid="4242", process="python3", **g),
+        s(
+            "kvpressure_gpu_process_memory_bytes",
+            2**30,
+            pid="77",
+            process="llama-server",
+            engine="llamacpp",
+            **g,
+        ),
+    ]
+    return snap
+
+
+def test_render_status_gpu_section_memory_utilization_and_processes():
+    out = render_status(_gpu_snap()).splitlines()
+    head = next(i for i, line in enumerate(out) if line.startswith("GPU "))
+    assert out[head].split() == [
+        "GPU", "NAME", "MEM", "USED", "RESERVED", "TOTAL", "USED%", "UTIL", "MEM", "BW"
+    ]  # fmt: skip
+    row = out[head + 1]
+    assert row.startswith("0      NVIDIA H200")
+    assert "85.3 GiB" in row and "700.0 MiB" in row and "140.4 GiB" in row and "68%" in row
+    assert row.rstrip().endswith("-")  # no bandwidth sample: '-', not 0
+    assert out[head + 2].split() == ["pid", "4242", "python3", "84.0", "GiB"]
+    assert out[head + 3].split() == [
+        "pid",
+        "77",
+        "llama-server",
+        "1.0",
+        "GiB",
+        "engine",
+        "llamacpp",
+    ]
+
+
+def test_status_gpu_sampler_without_nvml_reads_unsupported():
+    out = render_status(_snap())  # the gpu entry carries no "state": derived from sources
+    assert "GPU  unsupported (nvml: library_not_found)" in out
+    gpu = next(line for line in out.splitlines() if line.startswith("gpu "))
+    assert gpu.split()[1] == "unsupported"
+    eng = next(line for line in out.splitlines() if line.startswith("engine:llamacpp"))
+    assert eng.split()[1] == "up"
+
+
+def test_snapshot_reports_a_sampler_without_device_as_unsupported():
+    from agent.api import snapshot
+    from agent.samples import Batch
+    from agent.state import AgentState, SamplerReport
+    from agent.timeline import Timeline
+
+    state = AgentState(Timeline())
+    none = Batch()
+    none.source_unsupported("nvml", "library_not_found")
+    state.publish(SamplerReport("gpu", 1.0, 0.001, True, batch=none))
+    some = Batch()
+    some.add("kvpressure_host_memory_total_bytes", 1.0)
+    some.source_unsupported("psi", "kernel_without_psi")  # partial: still up
+    state.publish(SamplerReport("host", 1.0, 0.001, True, batch=some))
+    state.publish(SamplerReport("engine:vllm", 1.0, 2.0, False, reason="timeout"))
+    got = {s["sampler"]: (s["state"], s["up"]) for s in snapshot(state)["samplers"]}
+    assert got == {
+        "gpu": ("unsupported", False),
+        "host": ("up", True),
+        "engine:vllm": ("down", False),
+    }
+
+
+def test_a_reader_that_leaves_early_gets_no_traceback():
+    """`kvpressure metrics | head -1`: the closed pipe ends the command quietly."""
+    p = subprocess.Popen(
+        [sys.executable, "-m", "agent.cli", "metrics"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        bufsize=0,
+    )
+    assert p.stdout is not None and p.stdout.read(10)
+    p.stdout.close()
+    _, err = p.communicate(timeout=30)
+    assert b"Traceback" not in err and b"BrokenPipe" not in err
+    assert p.returncode in (0, 141)

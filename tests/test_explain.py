@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from agent.attribution.explain import _fmt_value, fmt_seconds, parse_since, render
+from agent.attribution.explain import fmt_seconds, fmt_value, parse_since, render
 from agent.attribution.model import Attribution, Evidence, WindowAttribution
 from agent.attribution.store import AttributionStore, RequestSummary
 from agent.cli import main
@@ -92,7 +92,7 @@ def test_parse_since_rejects(bad):
     ],
 )
 def test_evidence_values_read_with_their_units(value, unit, text):
-    assert _fmt_value(value, unit) == text
+    assert fmt_value(value, unit) == text
 
 
 def test_fmt_seconds():
@@ -168,3 +168,150 @@ def test_explain_exit_codes(capsys):
     assert main(["explain", "--url", f"http://127.0.0.1:{port}", "--timeout", "1"]) == 1
     assert "no agent answering" in capsys.readouterr().err
     assert main(["explain", "--since", "soon"]) == 2
+
+
+# --- issue 16: answers that mislead ------------------------------------------------------------
+
+
+def test_failed_requests_are_left_out_of_the_percentiles_and_counted():
+    st = AttributionStore()
+    for k in range(20):
+        st.add_request(RequestSummary("llamacpp", T + k, "ok", False, (("e2e", 22.0 + k / 100),)))
+    for k in range(5):  # fast failures would drag p50 down if they were mixed in
+        st.add_request(
+            RequestSummary("llamacpp", T + 30 + k, "server_error", False, (("e2e", 0.1),))
+        )
+    doc = st.query(T - 1, T + 60)
+    got = doc["requests"]["llamacpp"]
+    assert (got["requests"], got["ok"], got["failed"]) == (25, 20, 5)
+    assert got["phases"]["e2e"]["n"] == 20
+    assert got["phases"]["e2e"]["p50"] == pytest.approx(22.095, abs=0.01)
+    text = render(doc)
+    assert (
+        "25 requests, 0 slow (0.0 %); percentiles over the 20 ok, failed left out: server_error 5"
+        in text
+    )
+
+
+NET = Evidence(
+    "network", "tcp_retransmits", "kvpressure_net_tcp_retransmitted_segments_total", 5.05, 1.0,
+    20.0, 0.3, "1/s",
+)  # fmt: skip
+CPU = Evidence(
+    "compute", "psi_cpu_some", "kvpressure_psi_stall_seconds_total", 0.6, 0.25, 0.75, 0.71,
+    "s/s", {"resource": "cpu", "kind": "some", "scope": "llamacpp"},
+)  # fmt: skip
+SCORES = {"compute": 0.71, "network": 0.30, "memory": 0.1}
+
+
+def _multi_cause_store() -> AttributionStore:
+    st = AttributionStore()
+    for k in range(3):
+        st.add_request(RequestSummary("llamacpp", T + k, "ok", True, (("ttft", 3.0),)))
+        a = Attribution(
+            "llamacpp", T + k - 3, T + k, "compute", SCORES, (CPU, NET), (), "ttft", 3.0, 2.0, "slo"
+        )
+        st.add_attribution(a)
+    return st
+
+
+def test_every_cause_above_min_score_is_shown_not_only_the_primary():
+    doc = _multi_cause_store().query(T - 10, T + 10, min_score=0.3)
+    assert doc["slow_by_cause"] == {"llamacpp": {"compute": 3}}
+    assert doc["scored_by_cause"] == {"llamacpp": {"compute": 3, "network": 3}}
+    lines = render(doc).splitlines()
+    at = lines.index(next(x for x in lines if x.startswith("SLOW REQUESTS BY CAUSE")))
+    assert lines[at + 2].split() == ["llamacpp", "compute", "3", "100.0", "%", "#" * 20, "3"]
+    assert lines[at + 3].split() == ["network", "0", "3"]  # never primary, scored in all 3
+    slowest = [x for x in lines if x.endswith("(host-wide)") or "ttft 3.00s >" in x]
+    assert slowest and all("compute 0.71, network 0.30" in x for x in slowest)
+    assert all("memory" not in x for x in slowest)  # 0.10 is under min_score
+
+
+def test_rates_of_counts_read_as_what_they_count_and_host_wide_evidence_is_marked():
+    text = render(_multi_cause_store().query(T - 10, T + 10))
+    assert "1/s" not in text
+    assert "tcp_retransmits=5.05 segments/s (host-wide)" in text
+    assert "psi_cpu_some=0.60 s/s " in text  # the engine's own cgroup: not host-wide
+    lines = text.splitlines()
+    cpu = next(x for x in lines if x.startswith("compute ") and "psi_cpu_some" in x)
+    assert "[host-wide]" not in cpu
+    net = next(x for x in lines if x.startswith("network ") and "tcp_retransmits" in x)
+    assert "5.05 segments/s (threshold 1.00 segments/s) in 3/3" in net  # a secondary cause
+    assert net.endswith("[host-wide]")
+
+
+@pytest.mark.parametrize(
+    ("value", "unit", "signal", "text"),
+    [
+        (5.05, "1/s", "tcp_retransmits", "5.05 segments/s"),
+        (3.0, "1/s", "allocstalls", "3.00 stalls/s"),
+        (1.5, "1/s", "some_new_rule", "1.50 events/s"),
+    ],
+)
+def test_count_rates_have_a_noun(value, unit, signal, text):
+    assert fmt_value(value, unit, signal) == text
+
+
+def test_window_never_starts_before_the_agent_started_or_its_first_observation(daemon, capsys):
+    base = f"http://127.0.0.1:{daemon.bound_port}"
+    doc = httpx.get(f"{base}/api/v1/attributions", params={"since": "1h"}).json()
+    assert doc["since"] == pytest.approx(daemon.state.started)
+    assert doc["requested_since"] < doc["since"] - 3000
+    assert main(["explain", "--url", base, "--since", "1h"]) == 0
+    head = capsys.readouterr().out.splitlines()[0]
+    assert "since the agent started (--since asked for 1.0h" in head
+    assert "last 1.0h" not in head
+
+
+def test_unknown_engine_is_named_with_the_engines_the_agent_knows(daemon, capsys):
+    now = time.time()
+    daemon.request_stream.submit(RequestRecord("llamacpp", now - 0.2, now - 0.1, ttft_s=0.05))
+    base = f"http://127.0.0.1:{daemon.bound_port}"
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        if "llamacpp" in httpx.get(f"{base}/api/v1/attributions").json()["engines"]:
+            break
+        time.sleep(0.1)
+    assert main(["explain", "--url", base, "--engine", "nosuch"]) == 2
+    err = capsys.readouterr().err
+    assert "knows no engine 'nosuch'; it knows: llamacpp" in err
+    assert main(["explain", "--url", base, "--engine", "llamacpp"]) == 0
+
+
+def test_html_report_holds_tables_and_charts_inline():
+    from agent.attribution.report import render_html
+
+    snap = {"samples": []}
+    for band, ttft in (("0-50", 0.05), ("95-100", 2.0)):
+        for le in ("0.1", "2.5", "+Inf"):
+            n = 10.0 if float(le.replace("+Inf", "inf")) >= ttft else 0.0
+            snap["samples"].append({"name": "kvpressure_kv_occupancy_latency_seconds_bucket",
+                                    "labels": {"engine": "llamacpp", "phase": "ttft",
+                                               "band": band, "le": le}, "value": n})  # fmt: skip
+    page = render_html(_multi_cause_store().query(T - 10, T + 10), snap)
+    assert page.startswith("<!DOCTYPE html>") and page.rstrip().endswith("</html>")
+    assert "<script" not in page and "<link" not in page
+    assert page.count("<svg") == 2  # the TTFT knee (no ITL observed) and causes over time
+    assert "0-50 (10)" in page and "95-100 (10)" in page
+    assert "compute 0.71, network 0.30" in page
+    assert "tcp_retransmits = 5.05 segments/s" in page and "host-wide" in page
+
+
+def test_html_report_says_what_is_missing_instead_of_drawing_zeros():
+    from agent.attribution.report import render_html
+
+    page = render_html(AttributionStore().query(T - 10, T + 10), None)
+    assert "<svg" not in page
+    assert "No snapshot was read, so no knee." in page
+    assert "No slow requests in this window." in page
+    assert "No requests in this period." in page
+
+
+def test_explain_html_to_an_unwritable_path_is_one_line_and_exit_1(daemon, capsys, tmp_path):
+    base = f"http://127.0.0.1:{daemon.bound_port}"
+    assert main(["explain", "--url", base, "--html", str(tmp_path / "no" / "such" / "x.html")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("kvpressure explain: cannot write ") and err.count("\n") == 1
+    assert main(["explain", "--url", base, "--html", str(tmp_path / "x.html")]) == 0
+    assert (tmp_path / "x.html").read_text().startswith("<!DOCTYPE html>")

@@ -48,7 +48,44 @@ def fmt_seconds(v: float | None) -> str:
     return f"{v:.0f}s"
 
 
-def _fmt_value(v: float, unit: str) -> str:
+_RATE_NOUN = {
+    "allocstalls": "stalls/s",
+    "cgroup_memory_limit_hits": "hits/s",
+    "major_faults": "faults/s",
+    "tcp_retransmits": "segments/s",
+    "net_errors": "errors/s",
+}
+"""What a ``1/s`` rule counts, so ``5.05 1/s`` reads ``5.05 segments/s``."""
+
+_HOST_FAMILIES = ("kvpressure_host_", "kvpressure_disk_", "kvpressure_net_", "kvpressure_psi_")
+
+
+def is_host_wide(evidence: dict[str, Any]) -> bool:
+    """True when an evidence item measured the whole host, not the engine.
+
+    Host memory, swap, faults, disks and network counters are host-wide (other tenants'
+    traffic or I/O shows in them too); PSI is host-wide at ``scope=system`` and the
+    engine's own at ``scope=<engine>`` (its cgroup).
+
+    Args:
+        evidence: an evidence dict of the ``/api/v1/attributions`` document (``metric``,
+            ``labels``).
+    """
+    metric = str(evidence.get("metric", ""))
+    if not metric.startswith(_HOST_FAMILIES):
+        return False
+    scope = (evidence.get("labels") or {}).get("scope")
+    return scope in (None, "", "system")
+
+
+def fmt_value(v: float, unit: str, signal: str = "") -> str:
+    """An evidence value in its unit, e.g. ``0.65`` ratio -> ``65%``.
+
+    ``5.05`` ``1/s`` of ``tcp_retransmits`` reads ``5.05 segments/s``; a whole count reads
+    ``16``.
+    """
+    if unit == "1/s":
+        return f"{v:.2f} {_RATE_NOUN.get(signal, 'events/s')}"
     if unit == "seconds":
         return fmt_seconds(v)
     if unit == "ratio":
@@ -71,13 +108,43 @@ def _duration(s: float) -> str:
     return f"{s:.0f}s"
 
 
-def render(doc: dict[str, Any]) -> str:
-    """Render an ``/api/v1/attributions`` document (see ``AttributionStore.query``)."""
+def header(doc: dict[str, Any]) -> str:
+    """The first line: the window observed, and why it is shorter than asked if it is."""
     now, since = float(doc["time"]), float(doc["since"])
-    out: list[str] = [
-        f"kvpressure explain: last {_duration(now - since)} ({_hms(since)} - {_hms(now)})",
-        "",
-    ]
+    line = f"kvpressure explain: last {_duration(now - since)} ({_hms(since)} - {_hms(now)})"
+    requested = doc.get("requested_since")
+    if isinstance(requested, int | float) and requested < since - 0.5:
+        line += (
+            f", since the agent started (--since asked for {_duration(now - requested)};"
+            " nothing was observed before the start)"
+        )
+    return line
+
+
+def causes_of(a: dict[str, Any], min_score: float) -> str:
+    """``memory 0.71, network 0.30``: every cause at or above ``min_score``, strongest first."""
+    scores = {k: float(v) for k, v in a.get("scores", {}).items() if float(v) >= min_score}
+    if not scores:
+        return str(a.get("cause", "unknown"))
+    return ", ".join(f"{k} {v:.2f}" for k, v in sorted(scores.items(), key=lambda kv: -kv[1]))
+
+
+def render(doc: dict[str, Any]) -> str:
+    """Render an ``/api/v1/attributions`` document (see ``AttributionStore.query``).
+
+    Args:
+        doc: the decoded document; ``requested_since`` and ``min_score`` are optional (older
+            agents send neither; ``min_score`` then reads as 0.3, the default).
+
+    Returns:
+        The text ``kvpressure explain`` prints: latency over the requests that succeeded
+        (failures counted beside them), slow requests by primary cause and by every cause
+        that scored at least ``min_score``, the strongest evidence (host-wide evidence
+        marked ``[host-wide]``), when each cause dominated, what was not assessed, and the
+        slowest requests with every cause that scored.
+    """
+    min_score = float(doc.get("min_score", 0.3))
+    out: list[str] = [header(doc), ""]
     reqs: dict[str, Any] = doc.get("requests", {})
     if not reqs:
         out.append("No requests in this period. Point clients at a proxy (proxies:) or send")
@@ -94,34 +161,56 @@ def render(doc: dict[str, Any]) -> str:
                 )
                 first = False
             n, slow = st["requests"], st["slow"]
-            outcomes = ", ".join(f"{k} {v}" for k, v in sorted(st["outcomes"].items()))
             pct = 100.0 * slow / n if n else 0.0
-            out.append(f"{'':<14} {n} requests, {slow} slow ({pct:.1f} %); {outcomes}")
+            failed = {k: v for k, v in sorted(st["outcomes"].items()) if k != "ok"}
+            line = f"{'':<14} {n} requests, {slow} slow ({pct:.1f} %)"
+            if "failed" in st:  # an agent that leaves failures out of the percentiles
+                line += f"; percentiles over the {st['ok']} ok"
+                if failed:
+                    line += ", failed left out: " + ", ".join(f"{k} {v}" for k, v in failed.items())
+            else:
+                line += "; " + ", ".join(f"{k} {v}" for k, v in sorted(st["outcomes"].items()))
+            out.append(line)
     by_cause: dict[str, dict[str, int]] = doc.get("slow_by_cause", {})
+    scored: dict[str, dict[str, int]] = doc.get("scored_by_cause", {})
     if by_cause:
-        out += ["", "SLOW REQUESTS BY CAUSE"]
+        out += [
+            "",
+            "SLOW REQUESTS BY CAUSE (PRIMARY: the cause named; SCORED: requests where the "
+            f"cause scored >= {min_score:g})",
+            f"{'':<14} {'CAUSE':<15} {'PRIMARY':>7} {'':>7}  {'':<20} {'SCORED':>6}",
+        ]
         for eng, causes in by_cause.items():
             total = sum(causes.values())
+            also = scored.get(eng, {})
             first = True
-            for cause, n in sorted(causes.items(), key=lambda kv: -kv[1]):
-                bar = "#" * max(1, round(20 * n / total))
+            names = sorted(
+                set(causes) | set(also), key=lambda c: (-causes.get(c, 0), -also.get(c, 0))
+            )
+            for cause in names:
+                n = causes.get(cause, 0)
+                bar = "#" * round(20 * n / total) if n else ""
+                share = f"{100 * n / total:5.1f} %" if n else ""
+                sc = str(also[cause]) if cause in also else ("-" if cause == "unknown" else "0")
                 out.append(
-                    f"{eng if first else '':<14} {cause:<15} {n:>6} {100 * n / total:5.1f} %  {bar}"
+                    f"{eng if first else '':<14} {cause:<15} {n:>7} {share:>7}  {bar:<20} {sc:>6}"
                 )
                 first = False
     ev: list[dict[str, Any]] = doc.get("evidence", [])
     if ev:
-        out += ["", "STRONGEST EVIDENCE (median over the slow requests given that cause)"]
+        out += ["", "STRONGEST EVIDENCE (median over the slow requests where that cause scored)"]
         last = ""
         for e in ev:
             rule = RULES_BY_NAME.get(e["signal"])
             what = rule.doc if rule else e["metric"]
             lab = ",".join(f"{k}={v}" for k, v in e.get("labels", {}).items() if v)
+            tags = [x for x in (lab, "host-wide" if is_host_wide(e) else "") if x]
+            unit, sig = e["unit"], e["signal"]
             out.append(
-                f"{e['cause'] if e['cause'] != last else '':<15} {e['signal']:<22} "
-                f"{_fmt_value(e['median'], e['unit']):>11} (threshold "
-                f"{_fmt_value(e['threshold'], e['unit'])}) in {e['requests']}/{e['of']}: {what}"
-                + (f" [{lab}]" if lab else "")
+                f"{e['cause'] if e['cause'] != last else '':<15} {sig:<22} "
+                f"{fmt_value(e['median'], unit, sig):>11} (threshold "
+                f"{fmt_value(e['threshold'], unit, sig)}) in {e['requests']}/{e['of']}: {what}"
+                + "".join(f" [{t}]" for t in tags)
             )
             last = e["cause"]
     dom: list[dict[str, Any]] = doc.get("dominant", [])
@@ -148,11 +237,14 @@ def render(doc: dict[str, Any]) -> str:
         out += ["", "SLOWEST REQUESTS"]
         for a in sorted(atts, key=lambda a: -a["latency_s"] / max(a["threshold_s"], 1e-9))[:10]:
             top = " ".join(
-                f"{e['signal']}={_fmt_value(e['value'], e['unit'])}" for e in a["evidence"][:3]
+                f"{e['signal']}={fmt_value(e['value'], e['unit'], e['signal'])}"
+                + (" (host-wide)" if is_host_wide(e) else "")
+                for e in a["evidence"][:3]
             )
             flag = " (engine metrics unavailable)" if "engine_metrics" in a["unassessed"] else ""
             out.append(
                 f"{_hms(a['end'])}  {a['engine']:<14} {a['phase']} {fmt_seconds(a['latency_s'])}"
-                f" > {fmt_seconds(a['threshold_s'])} ({a['basis']})  {a['cause']}{flag}  {top}"
+                f" > {fmt_seconds(a['threshold_s'])} ({a['basis']})  "
+                f"{causes_of(a, min_score)}{flag}  {top}"
             )
     return "\n".join(out)

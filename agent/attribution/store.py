@@ -137,6 +137,16 @@ class AttributionStore:
         with self._lock:
             return dict(self._latest)
 
+    def oldest(self) -> float | None:
+        """The earliest end of a kept request or attribution (Unix seconds); ``None`` if none.
+
+        Spans can arrive late for requests that ended before the agent started; the API's
+        window reaches back to them but no further than that.
+        """
+        with self._lock:
+            ends = [r.end for r in self._requests] + [a.end for a in self._attributions]
+        return min(ends, default=None)
+
     def attributions(self, since: float = 0.0) -> list[Attribution]:
         """Slow-request attributions whose request ended at or after ``since``, oldest first."""
         with self._lock:
@@ -149,6 +159,7 @@ class AttributionStore:
         engine: str | None = None,
         limit: int = 100,
         window_s: float = 10.0,
+        min_score: float = 0.3,
     ) -> dict[str, Any]:
         """The ``/api/v1/attributions`` document for requests that ended at or after ``since``.
 
@@ -158,12 +169,20 @@ class AttributionStore:
             engine: only this engine.
             limit: most slow-request attributions listed (newest kept).
             window_s: window length, to merge adjacent windows into ranges.
+            min_score: the score from which a cause counts (``attribution.min_score``):
+                ``scored_by_cause`` counts every cause of a slow request at or above it,
+                not only the primary one.
 
         Returns:
-            ``{"time", "since", "requests": {engine: {"requests", "slow", "outcomes",
-            "phases": {phase: {"n", "p50", "p95", "p99"}}}}, "slow_by_cause": {engine:
+            ``{"time", "since", "min_score", "engines": [every engine the store has seen,
+            whatever ``engine`` is], "requests": {engine: {"requests", "ok", "failed",
+            "slow", "outcomes", "phases": {phase: {"n", "p50", "p95", "p99"}}}},
+            "slow_by_cause": {engine: {primary cause: n}}, "scored_by_cause": {engine:
             {cause: n}}, "evidence": [...], "dominant": [...], "unassessed": [...],
             "attributions": [...], "windows": [...], "totals": {engine: {cause: n}}}``.
+            The phase percentiles are over the requests whose outcome is ``ok``: a failed
+            or cancelled request's latency measures the failure, not the service, and is
+            counted in ``failed`` (by outcome in ``outcomes``) instead.
         """
         now = time.time() if now is None else now
         with self._lock:
@@ -171,6 +190,7 @@ class AttributionStore:
             atts = [a for a in self._attributions if a.end >= since]
             wins = [w for w in self._windows if w.end > since]
             totals = dict(self._slow)
+            known = set(self._engines) | {w.engine for w in self._windows}
         if engine is not None:
             reqs = [r for r in reqs if r.engine == engine]
             atts = [a for a in atts if a.engine == engine]
@@ -179,9 +199,12 @@ class AttributionStore:
         return {
             "time": now,
             "since": since,
+            "min_score": min_score,
+            "engines": sorted(known),
             "requests": _request_stats(reqs),
             "slow_by_cause": _by_cause(atts),
-            "evidence": _strongest_evidence(atts),
+            "scored_by_cause": _scored_by_cause(atts, min_score),
+            "evidence": _strongest_evidence(atts, min_score),
             "dominant": _dominant(wins, atts, window_s),
             "unassessed": _unassessed(atts, wins, window_s),
             "attributions": [a.to_dict() for a in atts[-limit:]] if limit > 0 else [],
@@ -204,11 +227,14 @@ def _request_stats(reqs: list[RequestSummary]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for eng, rs in sorted(by_engine.items()):
         phases: dict[str, list[float]] = {}
-        for r in rs:
+        ok = [r for r in rs if r.outcome == "ok"]
+        for r in ok:
             for k, v in r.phases:
                 phases.setdefault(k, []).append(v)
         out[eng] = {
             "requests": len(rs),
+            "ok": len(ok),
+            "failed": len(rs) - len(ok),
             "slow": sum(1 for r in rs if r.slow),
             "outcomes": dict(Counter(r.outcome for r in rs)),
             "phases": {k: _q(phases[k]) for k in PHASES if phases.get(k)},
@@ -220,15 +246,32 @@ def _by_cause(atts: list[Attribution]) -> dict[str, dict[str, int]]:
     return _nest(dict(Counter((a.engine, a.cause) for a in atts)))
 
 
-def _strongest_evidence(atts: list[Attribution]) -> list[dict[str, Any]]:
-    """Per primary cause, its top three signals across the slow requests it was given."""
+def _scored_by_cause(atts: list[Attribution], min_score: float) -> dict[str, dict[str, int]]:
+    """Slow requests per engine and cause for every cause that scored at least ``min_score``."""
+    c: Counter[tuple[str, str]] = Counter()
+    for a in atts:
+        for cause, score in a.scores.items():
+            if score >= min_score:
+                c[(a.engine, cause)] += 1
+    return _nest(dict(c))
+
+
+def _strongest_evidence(atts: list[Attribution], min_score: float) -> list[dict[str, Any]]:
+    """Per cause, its top three signals across the slow requests where it scored.
+
+    A cause counts for a request when it is the primary cause or scored at least
+    ``min_score``, so a secondary cause (network 0.30 beside compute 0.71) shows its
+    evidence too; ``of`` is the number of such requests.
+    """
     groups: dict[tuple[str, str], list[Any]] = {}
     per_cause: Counter[str] = Counter()
     for a in atts:
-        per_cause[a.cause] += 1
+        causes = {a.cause} | {c for c, v in a.scores.items() if v >= min_score}
+        for cause in causes:
+            per_cause[cause] += 1
         for e in a.evidence:
-            if e.cause == a.cause:
-                groups.setdefault((a.cause, e.signal), []).append(e)
+            if e.cause in causes:
+                groups.setdefault((e.cause, e.signal), []).append(e)
     out: list[dict[str, Any]] = []
     for cause in sorted(per_cause, key=lambda c: -per_cause[c]):
         if cause == UNKNOWN:

@@ -421,48 +421,123 @@ def shape_from_hf_config(
     )
 
 
-def estimate_hf_weights_bytes(config: Mapping[str, Any]) -> tuple[float, str] | None:
-    """Estimate a dense decoder's weight bytes from its config; ``None`` when unsure.
+_HYBRID_KEYS = (
+    "layer_types", "full_attention_interval", "attn_layer_period", "mamba_d_state",
+    "linear_num_key_heads", "ssm_cfg", "hybrid_override_pattern",
+)  # fmt: skip
+"""Config keys of hybrid (linear-attention / state-space) models, whose weights are not
+estimated: their non-attention blocks differ per family."""
 
-    Formula (dense Llama-like blocks, gated MLP)::
+
+def _attention_params(cfg: Mapping[str, Any], hidden: int, heads: int) -> int | None:
+    """Attention weights of one layer: MLA (DeepSeek) or grouped-query attention."""
+    if cfg.get("kv_lora_rank"):
+        kv_rank = _int(cfg, "kv_lora_rank")
+        nope = _int(cfg, "qk_nope_head_dim")
+        rope = _int(cfg, "qk_rope_head_dim")
+        v_dim = _int(cfg, "v_head_dim")
+        if None in (kv_rank, nope, rope, v_dim):
+            return None
+        assert kv_rank and nope and rope and v_dim
+        q_rank = _int(cfg, "q_lora_rank")
+        q = (
+            (hidden * q_rank + q_rank * heads * (nope + rope))
+            if q_rank
+            else (hidden * heads * (nope + rope))
+        )
+        kv = hidden * (kv_rank + rope) + kv_rank * heads * (nope + v_dim)
+        return q + kv + heads * v_dim * hidden
+    kv_heads = _int(cfg, "num_key_value_heads") or heads
+    hd = _int(cfg, "head_dim") or hidden // heads
+    return hidden * heads * hd + 2 * hidden * kv_heads * hd + heads * hd * hidden
+
+
+def estimate_hf_weights_bytes(config: Mapping[str, Any]) -> tuple[float, str] | None:
+    """Estimate a decoder's weight bytes from its config; ``None`` when unsure.
+
+    Formula (Llama-like blocks, gated MLP)::
 
         params = vocab x hidden x (1 if tied else 2)
-               + layers x (hidden x heads x head_dim          # q
-                           + 2 x hidden x kv_heads x head_dim  # k, v
-                           + heads x head_dim x hidden         # o
-                           + 3 x hidden x intermediate)        # gate, up, down
+               + layers x attention                     # q, k, v, o (or MLA's low-rank q/kv)
+               + dense_layers x 3 x hidden x intermediate
+               + moe_layers x (experts + shared) x 3 x hidden x moe_intermediate
+               + moe_layers x hidden x experts          # the router
 
-    times ``torch_dtype`` bytes. Llama-3.1-8B gives 8.03 B parameters. Mixture-of-experts
-    (``num_local_experts``, ``n_routed_experts``, ``num_experts``), MLA and hybrid models
-    return ``None``: pass the weight size explicitly.
+    times ``torch_dtype`` bytes, or the ``quantization_config``'s bits (``fp8`` methods: 8;
+    ``bits`` / ``w_bit`` for GPTQ/AWQ; scales are not counted). Dense models have
+    ``moe_layers = 0``; mixture-of-experts models count every expert
+    (``num_local_experts``, ``n_routed_experts`` or ``num_experts``) plus
+    ``n_shared_experts``, with ``moe_intermediate_size`` (else ``intermediate_size``) per
+    expert, and ``first_k_dense_replace`` dense layers first.
+    Llama-3.1-8B gives 8.03 B parameters, Mixtral-8x7B 46.7 B, DeepSeek-V3 671 B (its
+    multi-token-prediction module is not counted). Hybrid models (linear attention, state
+    space; see :data:`_HYBRID_KEYS`) and MoE layouts this does not know
+    (``decoder_sparse_step`` other than 1, ``mlp_only_layers``) return ``None``: pass the
+    weight size explicitly.
 
     Returns:
         ``(bytes, how)`` or ``None``.
     """
     cfg = _text_config(config)
-    moe_keys = ("num_local_experts", "n_routed_experts", "num_experts", "moe_intermediate_size")
-    if any(cfg.get(k) for k in moe_keys) or cfg.get("kv_lora_rank"):
+    if any(cfg.get(k) for k in _HYBRID_KEYS) or cfg.get("mlp_only_layers"):
+        return None
+    if (_int(cfg, "decoder_sparse_step") or 1) != 1:
         return None
     layers = _int(cfg, "num_hidden_layers")
     hidden = _int(cfg, "hidden_size")
     heads = _int(cfg, "num_attention_heads")
     inter = _int(cfg, "intermediate_size")
     vocab = _int(cfg, "vocab_size")
-    if None in (layers, hidden, heads, inter, vocab):
-        return None
-    assert layers and hidden and heads and inter and vocab
-    kv = _int(cfg, "num_key_value_heads") or heads
-    hd = _int(cfg, "head_dim") or hidden // heads
-    tied = bool(cfg.get("tie_word_embeddings", False))
-    params = vocab * hidden * (1 if tied else 2) + layers * (
-        hidden * heads * hd + 2 * hidden * kv * hd + heads * hd * hidden + 3 * hidden * inter
+    experts = next(
+        (
+            v
+            for k in ("num_local_experts", "n_routed_experts", "num_experts")
+            if (v := _int(cfg, k))
+        ),
+        None,
     )
-    td = cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"
-    try:
-        elem = dtype_bytes(str(td))
-    except ModelShapeError:
+    moe_inter = _int(cfg, "moe_intermediate_size") or inter
+    if None in (layers, hidden, heads, vocab) or (inter is None and experts is None):
         return None
-    return params * elem, f"{params / 1e9:.2f} B parameters (dense estimate) x {elem:g} B ({td})"
+    assert layers and hidden and heads and vocab
+    attn = _attention_params(cfg, hidden, heads)
+    if attn is None:
+        return None
+    tied = bool(cfg.get("tie_word_embeddings", False))
+    params = vocab * hidden * (1 if tied else 2) + layers * attn
+    how = "dense estimate"
+    if experts:
+        if moe_inter is None:
+            return None
+        dense_layers = min(layers, _int(cfg, "first_k_dense_replace") or 0)
+        if dense_layers and inter is None:
+            return None
+        shared = _int(cfg, "n_shared_experts") or 0
+        shared_mlp = 3 * hidden * (_int(cfg, "shared_expert_intermediate_size") or 0)
+        moe_layers = layers - dense_layers
+        params += dense_layers * 3 * hidden * (inter or 0)
+        params += moe_layers * (
+            (experts + shared) * 3 * hidden * moe_inter + shared_mlp + hidden * experts
+        )
+        how = f"MoE estimate: {experts} experts" + (f" + {shared} shared" if shared else "")
+        how += f" x {moe_layers} layers, all resident"
+    else:
+        assert inter
+        params += layers * 3 * hidden * inter
+    td = cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"
+    qc = config.get("quantization_config") or cfg.get("quantization_config")
+    if isinstance(qc, Mapping) and qc:
+        method = str(qc.get("quant_method", ""))
+        bits = qc.get("bits") or qc.get("w_bit") or (8 if "fp8" in method else None)
+        if not isinstance(bits, int | float) or bits <= 0:
+            return None  # a quantization this does not know: do not guess
+        elem, td = bits / 8, f"{method or 'quantized'} {bits:g}-bit"
+    else:
+        try:
+            elem = dtype_bytes(str(td))
+        except ModelShapeError:
+            return None
+    return params * elem, f"{params / 1e9:.2f} B parameters ({how}) x {elem:g} B ({td})"
 
 
 # ---- GGUF ------------------------------------------------------------------------------------

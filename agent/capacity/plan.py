@@ -20,8 +20,9 @@ KV budget, in order of preference:
   accelerator assumed, vLLM profiles the real figure at start-up).
 
 Weights when not given: the GGUF file size; for an HF config the ``*.safetensors`` next to
-it, else a dense-model estimate (:func:`~agent.capacity.kvbytes.estimate_hf_weights_bytes`);
-mixture-of-experts configs need ``--weights``.
+it, else an estimate from the config, dense or mixture-of-experts
+(:func:`~agent.capacity.kvbytes.estimate_hf_weights_bytes`); hybrid models need ``--weights``,
+and without it the budget line says the weights are unknown.
 
 Queueing model for the tail: requests beyond what fits wait in waves; the last of
 ``queued`` waits ``ceil(queued / fit)`` service times, a service time being ``TTFT p50 +
@@ -36,6 +37,7 @@ sequential read). Reload seconds per token = bytes per token / bandwidth.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -55,8 +57,6 @@ DEFAULT_OUTPUT_TOKENS = 256
 TIER_BANDWIDTH: dict[str, float] = {"dram": 50e9, "cxl": 25e9, "ssd": 6e9}
 """Default effective reload bandwidth per tier, bytes per second (see the module doc)."""
 
-TIER_ASSUMED_CAPACITY: dict[str, float] = {"cxl": 256 * GIB, "ssd": 1024 * GIB}
-"""Capacity shown for a tier that is neither detected nor given (marked ``assumed``)."""
 
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgtp]?)(i?)(b?)\s*$", re.IGNORECASE)
 _POW = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4, "p": 5}
@@ -111,7 +111,7 @@ class Tier:
         name: ``dram``, ``cxl``, ``ssd`` or any name given.
         capacity_bytes: bytes available for KV.
         bandwidth: effective reload bandwidth to the accelerator, bytes per second.
-        capacity_from: ``agent``, ``this host``, ``assumed`` or ``--tier``.
+        capacity_from: ``agent``, ``this host`` or ``--tier``.
     """
 
     name: str
@@ -157,6 +157,7 @@ class LiveFacts:
         gpu_memory_bytes: the largest accelerator's memory total.
         host_available_bytes: host memory available.
         cxl_free_bytes: free bytes on CPU-less (CXL) NUMA nodes.
+        instance: the engine's ``instance`` label (``host:port``) when it has one.
     """
 
     engine: str
@@ -174,6 +175,7 @@ class LiveFacts:
     gpu_memory_bytes: float | None = None
     host_available_bytes: float | None = None
     cxl_free_bytes: float | None = None
+    instance: str | None = None
 
 
 def live_from_snapshot(snap: Mapping[str, Any], engine: str | None = None) -> LiveFacts:
@@ -241,6 +243,14 @@ def live_from_snapshot(snap: Mapping[str, Any], engine: str | None = None) -> Li
     ]
     etype = info[0].get("type") if info else None
     model = info[0].get("model") if info else None
+    instance = next(
+        (
+            lab["instance"]
+            for n, lab, _ in samples
+            if n == "kvpressure_engine_up" and lab.get("engine") == engine and lab.get("instance")
+        ),
+        None,
+    )
     cap = total("kvpressure_engine_kv_cache_capacity_tokens")
     used = total("kvpressure_engine_kv_cache_used_tokens")
     ratio = total("kvpressure_engine_kv_cache_usage_ratio")
@@ -271,7 +281,35 @@ def live_from_snapshot(snap: Mapping[str, Any], engine: str | None = None) -> Li
         gpu_memory_bytes=host("kvpressure_gpu_memory_total_bytes", "max"),
         host_available_bytes=host("kvpressure_host_memory_available_bytes", "max"),
         cxl_free_bytes=host("kvpressure_memory_tier_bytes", tier="cxl", state="free"),
+        instance=instance,
     )
+
+
+def llamacpp_gguf(live: LiveFacts, timeout_s: float = 3.0) -> str | None:
+    """The GGUF file a llama.cpp engine serves, when it is readable on this host.
+
+    The engine's ``model`` label when that is a path to a ``.gguf`` file, else ``model_path``
+    from one ``GET http://<instance>/props`` (the same rule the agent's capacity sampler
+    follows). ``None`` for other engines, or when neither names a readable file here (the
+    agent runs elsewhere, or the engine is gone).
+    """
+    if live.engine_type != "llamacpp":
+        return None
+    if live.model and live.model.lower().endswith(".gguf") and Path(live.model).is_file():
+        return live.model
+    if not live.instance:
+        return None
+    import httpx
+
+    try:
+        r = httpx.get(f"http://{live.instance}/props", timeout=timeout_s)
+        r.raise_for_status()
+        path = r.json().get("model_path")
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return None
+    if isinstance(path, str) and path.lower().endswith(".gguf") and Path(path).is_file():
+        return path
+    return None
 
 
 def fetch_live(url: str, engine: str | None = None, timeout_s: float = 5.0) -> LiveFacts:
@@ -286,6 +324,39 @@ def fetch_live(url: str, engine: str | None = None, timeout_s: float = 5.0) -> L
     r = httpx.get(url.rstrip("/") + "/api/v1/snapshot", timeout=timeout_s)
     r.raise_for_status()
     return live_from_snapshot(r.json(), engine)
+
+
+def local_cxl_free(sysfs_root: str = "/sys", procfs_root: str = "/proc") -> float | None:
+    """Free bytes on this host's CPU-less NUMA nodes (CXL memory), as the agent reads them.
+
+    Runs the host sampler's NUMA reading once (``/sys/devices/system/node/node*/cpulist``
+    empty: a CXL node; its ``meminfo`` ``MemFree``) and sums
+    ``kvpressure_memory_tier_bytes{tier="cxl",state="free"}``; ``None`` when the host has no
+    such node or no NUMA sysfs.
+    """
+    import logging
+
+    from agent.samplers.host import HostSampler
+    from agent.samples import Batch
+
+    host_log = logging.getLogger("agent.samplers.host")
+    level = host_log.level
+    host_log.setLevel(logging.CRITICAL)  # one-shot read: the sampler's hints are for the agent
+    try:
+        batch = Batch()
+        HostSampler(procfs_root, sysfs_root, memory_cgroup="none").collect(batch)
+    except Exception:  # noqa: BLE001 - a planning aid: an unreadable host means "not found"
+        return None
+    finally:
+        host_log.setLevel(level)
+    vals = [
+        s.value
+        for s in batch.samples
+        if s.name == "kvpressure_memory_tier_bytes"
+        and dict(s.labels).get("tier") == "cxl"
+        and dict(s.labels).get("state") == "free"
+    ]
+    return sum(vals) if vals else None
 
 
 def local_mem_available(meminfo: str | Path = "/proc/meminfo") -> float | None:
@@ -303,13 +374,18 @@ def default_tiers(
     live: LiveFacts | None,
     overrides: Iterable[tuple[str, float | None, float | None]] = (),
     local_available: float | None = None,
+    local_cxl_free: float | None = None,
 ) -> list[Tier]:
-    """Return the offload tiers to evaluate: detected or assumed defaults, then overrides.
+    """Return the offload tiers to evaluate: the ones detected, then those given.
+
+    A tier is shown only when it exists (host DRAM; CXL memory the agent found on CPU-less
+    NUMA nodes) or was given with ``--tier``: a capacity is never assumed.
 
     Args:
         live: agent facts (host available memory, CXL free bytes), if any.
         overrides: parsed ``--tier`` values.
         local_available: this host's available memory, used without an agent.
+        local_cxl_free: this host's free CXL memory, used without an agent.
     """
     caps: dict[str, tuple[float, str]] = {}
     if live is not None and live.host_available_bytes:
@@ -318,6 +394,8 @@ def default_tiers(
         caps["dram"] = (local_available, "this host")
     if live is not None and live.cxl_free_bytes:
         caps["cxl"] = (live.cxl_free_bytes, "agent")
+    elif live is None and local_cxl_free:
+        caps["cxl"] = (local_cxl_free, "this host")
     bws = dict(TIER_BANDWIDTH)
     for name, cap, bw in overrides:
         if cap is not None:
@@ -329,9 +407,7 @@ def default_tiers(
     for name in names:
         cap_from = caps.get(name)
         if cap_from is None:
-            if name not in TIER_ASSUMED_CAPACITY:
-                continue
-            cap_from = (TIER_ASSUMED_CAPACITY[name], "assumed")
+            continue  # neither detected nor given: not assumed
         bw = bws.get(name)
         if bw is None:
             raise ValueError(f"tier {name!r} needs a bandwidth: --tier {name}=SIZE@BANDWIDTH")
@@ -453,6 +529,11 @@ def make_plan(inp: PlanInputs) -> dict[str, Any]:
         mem = inp.memory_bytes * inp.gpus
         usable = mem * inp.memory_utilization
         weights = inp.weights_bytes or 0.0
+        w_text = (
+            f"weights {fmt_bytes(weights)}{f' ({inp.weights_how})' if inp.weights_how else ''}"
+            if inp.weights_bytes is not None
+            else "weights UNKNOWN (not subtracted: pass --weights)"
+        )
         b = usable - weights - inp.overhead_bytes * inp.gpus
         if b <= 0:
             raise ValueError(
@@ -463,11 +544,13 @@ def make_plan(inp: PlanInputs) -> dict[str, Any]:
             "bytes": b,
             "tokens": b / bpt,
             "how": f"{inp.gpus} x {fmt_bytes(inp.memory_bytes)} x {inp.memory_utilization:.2f} - "
-            f"weights {fmt_bytes(weights)}{f' ({inp.weights_how})' if inp.weights_how else ''} - "
-            f"overhead {fmt_bytes(inp.overhead_bytes * inp.gpus)}",
+            f"{w_text} - overhead {fmt_bytes(inp.overhead_bytes * inp.gpus)}",
         }
         if inp.weights_bytes is None:
-            notes.append("weights unknown and not subtracted: pass --weights")
+            notes.append(
+                "weights unknown and NOT subtracted, so the KV budget is too high: pass "
+                "--weights SIZE (or point --hf-config at a directory with the safetensors)"
+            )
     else:
         raise ValueError(
             "no KV budget: pass --gpu-memory (or --live-gpu), or --agent with an engine"
@@ -529,6 +612,12 @@ def make_plan(inp: PlanInputs) -> dict[str, Any]:
         )
     if rate is None and tiers:
         notes.append("no prefill rate to compare reloads with: pass --prefill-rate or --agent")
+    absent = [n for n in TIER_BANDWIDTH if n not in {t.name for t in inp.tiers}]
+    if absent:
+        notes.append(
+            f"tiers not shown: {', '.join(absent)} (neither found on this host nor given; "
+            "add one with --tier NAME=SIZE[@BANDWIDTH])"
+        )
     return {
         "model": shape.as_dict(),
         "kv_budget": budget,
@@ -581,10 +670,17 @@ def render_plan(plan: Mapping[str, Any]) -> str:
     """Render :func:`make_plan`'s result as the text tables ``kvpressure plan`` prints."""
     m = plan["model"]
     b = plan["kv_budget"]
-    lines = [
-        f"model        {m['model'] or '?'} ({m['source']}, {m['architecture'] or '?'}), "
-        f"KV dtype {m['kv_dtype']}",
-    ]
+    if m["source"] == "agent" and m["kv_dtype"] == "unknown":
+        head = (
+            f"model        {m['model'] or '?'} (bytes per token as the agent measured them; "
+            "pass --gguf or --hf-config for its layout and KV dtype)"
+        )
+    else:
+        head = (
+            f"model        {m['model'] or '?'} ({m['source']}, {m['architecture'] or '?'}), "
+            f"KV dtype {m['kv_dtype']}"
+        )
+    lines = [head]
     if m["latent_dim"]:
         how = (
             f"{m['full_attention_layers']} layers x latent {m['latent_dim']} x "
@@ -633,7 +729,9 @@ def render_plan(plan: Mapping[str, Any]) -> str:
         "doubling users doubles KV demand; TAIL TTFT = observed TTFT p99 in the band the "
         "demand lands in + queueing waves"
         + (
-            ""
+            "; a what-if for this demand from the knee since the agent started, so it differs "
+            "from `kvpressure explain`'s p99, which is over the requests actually seen in its "
+            "window, at whatever occupancy they met"
             if plan["live"] and plan["live"]["knee"]
             else " (needs --agent with an observed knee)"
         )
@@ -742,12 +840,20 @@ def run_plan(args: Any) -> int:
         except Exception as exc:  # noqa: BLE001 - httpx errors: say which agent did not answer
             return fail(f"no agent answering at {args.agent} ({type(exc).__name__}: {exc})")
     model_path = args.hf_config or args.gguf
+    served = None
+    if model_path is None and live is not None:
+        served = model_path = llamacpp_gguf(live)  # llama.cpp: its GGUF gives name and dtype
     weights_how = "--weights" if weights is not None else ""
     if model_path:
         try:
             shape = load_shape(model_path, args.kv_dtype)
         except (OSError, ValueError, ModelShapeError) as exc:
             return fail(f"{model_path}: {exc}")
+        if served and live is not None:
+            shape = dataclasses.replace(
+                shape,
+                notes=(*shape.notes, f"layout read from {served}, the GGUF {live.engine} serves"),
+            )
         if weights is None:
             w = weights_for(model_path)
             if w is not None:
@@ -768,7 +874,12 @@ def run_plan(args: Any) -> int:
             return fail("--live-gpu needs --agent URL of an agent that reports GPU memory")
         memory = live.gpu_memory_bytes
     try:
-        tiers = default_tiers(live, tier_over, local_mem_available() if live is None else None)
+        tiers = default_tiers(
+            live,
+            tier_over,
+            local_mem_available() if live is None else None,
+            local_cxl_free() if live is None else None,
+        )
         plan = make_plan(
             PlanInputs(
                 shape=shape,
