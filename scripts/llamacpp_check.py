@@ -37,10 +37,39 @@ from pathlib import Path
 
 START_TIMEOUT_S = 120.0
 # One token each in common tokenizers, so W words make a prompt of about W tokens.
-_WORDS = (
-    "the cat sat on a mat and the dog ran to the park while birds sang in green trees "
-    "near an old house by the river where people walk every day"
-).split()
+_WORDS = [
+    "the",
+    "cat",
+    "sat",
+    "on",
+    "a",
+    "mat",
+    "and",
+    "the",
+    "dog",
+    "ran",
+    "to",
+    "the",
+    "park",
+    "while",
+    "birds",
+    "sang",
+    "in",
+    "green",
+    "trees",
+    "near",
+    "an",
+    "old",
+    "house",
+    "by",
+    "the",
+    "river",
+    "where",
+    "people",
+    "walk",
+    "every",
+    "day",
+]
 REQUEST_TIMEOUT_S = 300.0
 
 
