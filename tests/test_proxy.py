@@ -799,7 +799,9 @@ def test_reconfigure_keeps_listening_and_lets_streams_in_flight_finish(
 
     t = threading.Thread(target=slow_stream)
     t.start()
-    time.sleep(FIRST_DELAY_S / 2)  # the stream is open upstream, nothing sent yet
+    # The stream is open upstream (the old engine has read it), nothing sent back yet. A fixed
+    # sleep here let a loaded machine reconfigure before the request reached the proxy.
+    _wait_until(lambda: engine.last_body_sha is not None)
     lt.run(p.reconfigure(new_engine.url, "new", 5.0, True))
     assert p.port == port and p.spec[1:3] == (new_engine.url, "new")
     with httpx.Client() as c:
