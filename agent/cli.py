@@ -17,23 +17,34 @@ from collections.abc import Sequence
 from typing import Any
 
 from agent import __version__, logs
-from agent.config import Config, ConfigError, default_text, load, load_default
+from agent.config import (
+    Config,
+    ConfigError,
+    default_text,
+    load,
+    load_default,
+    with_overrides,
+)
 
 log = logging.getLogger("agent")
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
+    # Command-line settings win over the file's, at start and at every reload (SIGHUP).
+    overrides = {k: v for k, v in (("listen", args.listen), ("log_level", args.log_level)) if v}
     try:
-        cfg: Config = load(args.config) if args.config else load_default()
+        cfg: Config = (
+            load(args.config, overrides)
+            if args.config
+            else with_overrides(load_default(), overrides, "<command line>")
+        )
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return 1
-    if args.listen:
-        cfg = cfg.model_copy(update={"listen": args.listen})
-    logs.setup(args.log_level or cfg.log_level)
+    logs.setup(cfg.log_level)
     from agent.daemon import Daemon
 
-    daemon = Daemon(cfg, args.config)
+    daemon = Daemon(cfg, args.config, overrides=overrides)
     log.info(
         "kvpressure starting",
         extra={"kv": {"version": __version__, "config": args.config or "<embedded default>"}},

@@ -19,10 +19,10 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import psutil
@@ -171,6 +171,8 @@ class Daemon:
             tests, defaults to :func:`agent.samplers.engines.probe`.
         extra_samplers: samplers to run besides those the config asks for (embedding,
             tests); they are kept across reloads.
+        overrides: top-level settings given on the command line (``listen``,
+            ``log_level``); they replace the file's at every reload too.
     """
 
     def __init__(
@@ -179,8 +181,12 @@ class Daemon:
         config_path: str | Path | None = None,
         probe: Callable[[str], str | None] | None = None,
         extra_samplers: Sequence[Sampler] = (),
+        overrides: Mapping[str, Any] | None = None,
     ) -> None:
         self.config = config
+        self._overrides = dict(overrides or {})
+        self._reload_lock = asyncio.Lock()
+        self._reloads: set[asyncio.Task[bool]] = set()
         self.config_path = Path(config_path) if config_path else None
         self.state = AgentState(
             Timeline(config.timeline.points_per_series, config.timeline.max_series)
@@ -193,6 +199,7 @@ class Daemon:
         self._stopping: asyncio.Event | None = None
         self._site_runner: web.AppRunner | None = None
         self._listen: str | None = None
+        self._listen_addr: tuple[str, int] | None = None
         self.bound_port: int | None = None
         self.notifier = Notifier()
         # Per-request data: one stream, fed by the OTLP receiver and the proxies, read by
@@ -447,19 +454,66 @@ class Daemon:
 
     # ---- reload --------------------------------------------------------------------
     def reload(self) -> bool:
-        """Re-read the config file; apply it if valid. Returns True when applied."""
+        """Re-read the config file and apply it if valid, on the calling thread.
+
+        For embedding and tests; SIGHUP uses :meth:`reload_async`, which reads the file off
+        the event loop and also moves the listener and the proxies.
+
+        Returns:
+            True when the new config was applied; False when there is no file or it was
+            rejected (counted ``kvpressure_config_reloads_total{result="invalid"}``, one
+            error line logged; the last good config keeps running).
+        """
+        new = self._read_config()
+        if new is None:
+            return False
+        self._adopt(new)
+        return True
+
+    async def reload_async(self) -> bool:
+        """Reload as SIGHUP does: read off the loop, apply, move the listener and proxies.
+
+        Reloads run one after another, in the order they came. Whatever happens, systemd
+        gets ``READY=1`` at the end (it was told ``RELOADING=1`` when the signal came), so
+        the unit never stays "reloading". A listen address that cannot be bound is logged
+        and the agent keeps its current listener; the next reload tries again.
+
+        Returns:
+            True when the new config was applied.
+        """
+        async with self._reload_lock:
+            try:
+                new = await asyncio.to_thread(self._read_config)
+                if new is None:
+                    return False
+                self._adopt(new)
+                if (new.listen_host, new.listen_port) != self._listen_addr:
+                    await self._rebind(new.listen_host, new.listen_port)
+                await self._apply_proxies(new)
+                return True
+            except Exception as exc:  # noqa: BLE001 - a reload must never kill the agent
+                self._reject(exc, "config reload failed while applying")
+                return False
+            finally:
+                self.notifier.ready(self._status_line())
+
+    def _read_config(self) -> Config | None:
+        """Load the file with the command-line overrides; ``None`` (counted, logged) if bad."""
         if self.config_path is None:
             log.info("SIGHUP: running on the embedded default; nothing to reload")
-            return False
+            return None
         try:
-            new = load(self.config_path)
-        except ConfigError as exc:
-            self.state.count_reload("invalid")
-            log.error(
-                "config reload rejected; keeping the last good config",
-                extra={"kv": {"error": str(exc)}},
-            )
-            return False
+            return load(self.config_path, self._overrides)
+        except Exception as exc:  # noqa: BLE001 - ConfigError, or whatever a file provokes
+            self._reject(exc, "config reload rejected; keeping the last good config")
+            return None
+
+    def _reject(self, exc: Exception, message: str) -> None:
+        self.state.count_reload("invalid")
+        error = str(exc) if isinstance(exc, ConfigError) else f"{type(exc).__name__}: {exc}"
+        log.error(message, extra={"kv": {"error": error[:500]}})
+
+    def _adopt(self, new: Config) -> None:
         old = self.config
         self.config = new
         if new.discovery != old.discovery or not new.discovery.enabled:
@@ -470,10 +524,29 @@ class Daemon:
         self.otlp_receiver.configure(otlp.enabled, otlp.max_body_bytes, otlp.service_engines)
         self.state.count_reload("ok")
         log.info("config reloaded", extra={"kv": {"path": str(self.config_path)}})
-        return True
+
+    async def _rebind(self, host: str, port: int) -> None:
+        try:
+            await self._serve(host, port)
+        except OSError as exc:
+            log.error(
+                "cannot listen on the reloaded address; still listening on the old one",
+                extra={
+                    "kv": {
+                        "address": f"{host}:{port}",
+                        "listening": self._listen,
+                        "error": f"{type(exc).__name__}: {exc}",
+                    }
+                },
+            )
 
     # ---- HTTP ----------------------------------------------------------------------
     async def _serve(self, listen_host: str, listen_port: int) -> None:
+        """Serve the agent's HTTP API on ``listen_host:listen_port``, then close the old one.
+
+        Raises:
+            OSError: the address cannot be bound; the current listener (if any) stays.
+        """
         routes = [
             *self.otlp_receiver.routes(),
             *attribution_routes(self.attributions, self.config.attribution.window_s),
@@ -482,9 +555,14 @@ class Daemon:
         runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=0.5)
         await runner.setup()
         site = web.TCPSite(runner, listen_host, listen_port, reuse_address=True)
-        await site.start()
+        try:
+            await site.start()
+        except BaseException:
+            await runner.cleanup()
+            raise
         old, self._site_runner = self._site_runner, runner
         self._listen = f"{listen_host}:{listen_port}"
+        self._listen_addr = (listen_host, listen_port)
         server = site._server
         sockets = getattr(server, "sockets", None) or []
         self.bound_port = sockets[0].getsockname()[1] if sockets else listen_port
@@ -535,16 +613,10 @@ class Daemon:
             await self._shutdown()
 
     def _on_hup(self) -> None:
-        listen = self.config.listen
         self.notifier.reloading()
-        reloaded = self.reload()
-        if reloaded and self.config.listen != listen:
-            asyncio.get_running_loop().create_task(
-                self._serve(self.config.listen_host, self.config.listen_port)
-            )
-        if reloaded:
-            asyncio.get_running_loop().create_task(self._apply_proxies(self.config))
-        self.notifier.ready(self._status_line())
+        task = asyncio.get_running_loop().create_task(self.reload_async())
+        self._reloads.add(task)
+        task.add_done_callback(self._reloads.discard)
 
     def _status_line(self) -> str:
         reports = self.state.reports()
