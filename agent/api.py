@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 from prometheus_client.registry import CollectorRegistry
 
 from agent import __version__
@@ -59,6 +60,7 @@ def make_app(
     state: AgentState,
     registry: CollectorRegistry,
     routes: Sequence[web.AbstractRouteDef] = (),
+    middlewares: Sequence[Middleware] = (),
 ) -> web.Application:
     """Build the aiohttp application serving ``state``.
 
@@ -68,6 +70,8 @@ def make_app(
             :func:`exporters.prometheus.make_registry`).
         routes: extra routes served on the same listener (e.g. the OTLP trace receiver's
             ``POST /v1/traces``).
+        middlewares: aiohttp middlewares (the listener's
+            :attr:`agent.listener.ConnectionCap.middleware`).
     """
 
     async def metrics(request: web.Request) -> web.Response:
@@ -84,7 +88,11 @@ def make_app(
 
     # Request bodies reach the handlers as sent: the OTLP receiver decompresses gzip itself,
     # under its own size limit (otlp_receiver.max_body_bytes) and with its own errors.
-    app = web.Application(client_max_size=1 << 20, handler_args={"auto_decompress": False})
+    app = web.Application(
+        client_max_size=1 << 20,
+        handler_args={"auto_decompress": False},
+        middlewares=list(middlewares),
+    )
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/api/v1/snapshot", snap)

@@ -43,6 +43,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
         return 1
     logs.setup(cfg.log_level)
     from agent.daemon import Daemon
+    from agent.listener import raise_fd_limit
+
+    soft, hard = raise_fd_limit()
+    log.debug("open files limit", extra={"kv": {"soft": soft, "hard": hard}})
 
     daemon = Daemon(cfg, args.config, overrides=overrides)
     log.info(

@@ -369,6 +369,7 @@ class Config(_Model):
     """The whole agent configuration (see ``agent/default.yaml`` for the defaults)."""
 
     listen: str = "127.0.0.1:9470"
+    max_connections: int = Field(default=1000, ge=1, le=100_000)
     interval_s: Seconds = Field(default=1.0, ge=0.1, le=3600)
     procfs_root: str = "/proc"
     sysfs_root: str = "/sys"

@@ -32,6 +32,7 @@ from agent import logs
 from agent.api import attribution_routes, make_app
 from agent.attribution.store import AttributionStore
 from agent.config import Config, ConfigError, EngineConfig, load
+from agent.listener import IDLE_TIMEOUT_S, BoundedSite, ConnectionCap, install_accept_error_handler
 from agent.requests.metrics import RequestMetrics
 from agent.requests.otlp_receiver import OtlpReceiver
 from agent.requests.proxy import RequestProxy
@@ -200,6 +201,7 @@ class Daemon:
         self._site_runner: web.AppRunner | None = None
         self._listen: str | None = None
         self._listen_addr: tuple[str, int] | None = None
+        self.api_cap: ConnectionCap | None = None
         self.bound_port: int | None = None
         self.notifier = Notifier()
         # Per-request data: one stream, fed by the OTLP receiver and the proxies, read by
@@ -519,6 +521,8 @@ class Daemon:
         if new.discovery != old.discovery or not new.discovery.enabled:
             self._discovered.clear()
         logs.set_level(new.log_level)
+        if self.api_cap is not None:
+            self.api_cap.max_connections = new.max_connections
         self._apply(new)
         otlp = new.otlp_receiver
         self.otlp_receiver.configure(otlp.enabled, otlp.max_body_bytes, otlp.service_engines)
@@ -551,21 +555,27 @@ class Daemon:
             *self.otlp_receiver.routes(),
             *attribution_routes(self.attributions, self.config.attribution.window_s),
         ]
-        app = make_app(self.state, self._registry, routes)
-        runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=0.5)
+        cap = ConnectionCap(f"api {listen_host}:{listen_port}", self.config.max_connections)
+        app = make_app(self.state, self._registry, routes, middlewares=[cap.middleware])
+        runner = web.AppRunner(
+            app,
+            access_log=None,
+            handle_signals=False,
+            shutdown_timeout=0.5,
+            keepalive_timeout=IDLE_TIMEOUT_S,
+        )
         await runner.setup()
-        site = web.TCPSite(runner, listen_host, listen_port, reuse_address=True)
+        site = BoundedSite(runner, listen_host, listen_port, cap)
         try:
             await site.start()
         except BaseException:
             await runner.cleanup()
             raise
         old, self._site_runner = self._site_runner, runner
+        self.api_cap = cap
         self._listen = f"{listen_host}:{listen_port}"
         self._listen_addr = (listen_host, listen_port)
-        server = site._server
-        sockets = getattr(server, "sockets", None) or []
-        self.bound_port = sockets[0].getsockname()[1] if sockets else listen_port
+        self.bound_port = site.port
         log.info("listening", extra={"kv": {"address": f"{listen_host}:{self.bound_port}"}})
         if old is not None:
             await old.cleanup()
@@ -581,6 +591,7 @@ class Daemon:
             OSError: the listen address cannot be bound.
         """
         loop = asyncio.get_running_loop()
+        install_accept_error_handler(loop)
         self._stopping = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError, RuntimeError):
@@ -674,6 +685,7 @@ class Daemon:
             for listen, p in wanted.items():
                 kept = self.proxies.get(listen)
                 if kept is not None:
+                    kept.cap.max_connections = cfg.max_connections
                     spec = (p.listen, p.upstream, p.engine, p.connect_timeout_s, p.preconnect)
                     if spec != kept.spec:
                         await kept.reconfigure(
@@ -687,6 +699,7 @@ class Daemon:
                     self.request_stream,
                     p.connect_timeout_s,
                     preconnect=p.preconnect,
+                    max_client_connections=cfg.max_connections,
                 )
                 try:
                     await proxy.start()

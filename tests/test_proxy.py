@@ -406,6 +406,54 @@ def test_keepalive_connection_is_reused(
     assert [r.upstream_connect_s for r in recs[1:]] == [None, None]  # reused: no connect
 
 
+def test_idle_connections_over_the_cap_do_not_starve_requests_or_cut_streams(
+    engine: Engine,
+    make_proxy: Callable[..., RequestProxy],
+    stream: RequestStream,
+) -> None:
+    """Issue 18, point 1, on the proxy: cap 10, a stream in flight, then 60 idle client
+    connections. Idle ones make room for each other and for a new request; the stream in
+    flight (a busy connection) is never closed and arrives whole."""
+    p = make_proxy(engine.url, max_client_connections=10)
+    got: dict[str, Any] = {}
+
+    def streamed() -> None:
+        with (
+            httpx.Client() as c,
+            c.stream(
+                "POST", url(p, "/v1/chat/completions"), json={"model": "forever"}, timeout=10
+            ) as r,
+        ):
+            n = 0
+            for _ in r.iter_bytes():
+                n += 1
+                if n == 1:
+                    got["started"] = True
+                if got.get("stop"):
+                    break
+            got["chunks"] = n
+
+    t = threading.Thread(target=streamed)
+    t.start()
+    held: list[socket.socket] = []
+    try:
+        _wait_until(lambda: bool(got.get("started")))
+        held = [socket.create_connection(("127.0.0.1", p.port or 0)) for _ in range(60)]
+        with httpx.Client() as c:
+            r = c.post(url(p, "/v1/chat/completions"), json={"model": "json"}, timeout=5)
+        assert r.status_code == 200
+        assert p.cap.closed_idle >= 50
+        assert p.in_flight == 1  # the stream is still running
+    finally:
+        got["stop"] = True
+        t.join(10)
+        for s in held:
+            s.close()
+    assert got["chunks"] > 1
+    outcomes = sorted(rec.outcome for rec in wait_records(stream, 2))
+    assert outcomes == ["cancelled", "ok"]
+
+
 # --- errors -------------------------------------------------------------------------------
 
 

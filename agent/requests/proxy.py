@@ -56,6 +56,7 @@ from aiohttp import ClientRequest, web
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
+from agent.listener import IDLE_TIMEOUT_S, MAX_CONNECTIONS, BoundedSite, ConnectionCap
 from agent.requests.record import MAX_ITL_GAPS, RequestRecord, RequestStream
 
 if TYPE_CHECKING:
@@ -620,6 +621,9 @@ class RequestProxy:
         max_connections: most upstream connections at once (later requests wait).
         preconnect: open a spare upstream connection after a request that needed a new
             one (see :class:`UpstreamConnector`).
+        max_client_connections: client connections open at once; at the cap an idle one
+            is closed to admit a new one (see :mod:`agent.listener`), which also applies
+            the header and idle timeouts.
 
     :meth:`reconfigure` changes everything but ``listen`` without closing the listener.
     """
@@ -633,8 +637,10 @@ class RequestProxy:
         connect_timeout_s: float = 5.0,
         max_connections: int = 1024,
         preconnect: bool = True,
+        max_client_connections: int = MAX_CONNECTIONS,
     ) -> None:
         self.listen = listen
+        self.cap = ConnectionCap(f"proxy {listen}", max_client_connections)
         self._stream = stream
         self._max_connections = max_connections
         self._settings = (upstream.rstrip("/"), engine, connect_timeout_s, preconnect)
@@ -707,7 +713,9 @@ class RequestProxy:
             OSError: the listen address cannot be bound.
         """
         self._up = self._new_upstream()
-        app = web.Application(client_max_size=INLINE_BODY_MAX + 1)
+        app = web.Application(
+            client_max_size=INLINE_BODY_MAX + 1, middlewares=[self.cap.middleware]
+        )
         app.router.add_route("*", "/{tail:.*}", self._handle)
         runner = web.AppRunner(
             app,
@@ -715,10 +723,11 @@ class RequestProxy:
             handle_signals=False,
             handler_cancellation=True,
             shutdown_timeout=CLOSE_GRACE_S,
+            keepalive_timeout=IDLE_TIMEOUT_S,
         )
         await runner.setup()
         host, port = _split_listen(self.listen)
-        site = web.TCPSite(runner, host, port, reuse_address=True)
+        site = BoundedSite(runner, host, port, self.cap)
         try:
             await site.start()
         except OSError:
@@ -727,9 +736,7 @@ class RequestProxy:
             self._up = None
             raise
         self._runner = runner
-        server = site._server
-        sockets = getattr(server, "sockets", None) or []
-        self.port = sockets[0].getsockname()[1] if sockets else port
+        self.port = site.port
         log.info(
             "proxy listening",
             extra={
