@@ -28,13 +28,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Any, Final
 
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
+
+from agent.logs import RateLimitedLog
 
 log = logging.getLogger(__name__)
 
@@ -51,69 +52,6 @@ LOG_PERIOD_S: Final = 60.0
 _REFUSE: Final = (
     b"HTTP/1.1 503 Service Unavailable\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"
 )
-
-
-class RateLimitedLog:
-    """Log one line per key and period, with how many times the event happened since.
-
-    The first event of a key is logged at once; later ones within ``period_s`` are only
-    counted, and the next event after the period logs one line carrying that count
-    (``count`` in the line's fields). Thread-safe enough for counters: only the event
-    loop or one sampler thread calls a given instance. At most ``max_keys`` keys are
-    remembered (the least recently logged is forgotten first), so the memory is bounded
-    whatever the keys.
-
-    Args:
-        logger: where the lines go.
-        period_s: seconds between two lines of the same key.
-        max_keys: keys remembered at most.
-        clock: monotonic seconds (tests inject one).
-    """
-
-    def __init__(
-        self,
-        logger: logging.Logger,
-        period_s: float = LOG_PERIOD_S,
-        max_keys: int = 1024,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self._logger = logger
-        self._period_s = period_s
-        self._max_keys = max_keys
-        self._clock = clock
-        self._last: dict[str, float] = {}
-        self._pending: Counter[str] = Counter()
-
-    def __call__(
-        self, key: str, level: int, msg: str, kv: dict[str, Any] | None = None, *args: object
-    ) -> bool:
-        """Count one event of ``key``; log ``msg % args`` if its period has passed.
-
-        Args:
-            key: what is rate-limited together (e.g. ``"accept:127.0.0.1:9470"``).
-            level: the logging level.
-            msg: the message (``%`` format with ``args``).
-            kv: structured fields for the logfmt line; ``count`` (events since the last
-                line of this key, this one included) is added.
-            *args: ``%`` arguments of ``msg``.
-
-        Returns:
-            True when a line was logged now.
-        """
-        now = self._clock()
-        self._pending[key] += 1
-        last = self._last.get(key)
-        if last is not None and now - last < self._period_s:
-            return False
-        count = self._pending.pop(key)
-        self._last.pop(key, None)
-        self._last[key] = now
-        while len(self._last) > self._max_keys:
-            oldest = next(iter(self._last))
-            del self._last[oldest]
-            self._pending.pop(oldest, None)
-        self._logger.log(level, msg, *args, extra={"kv": {**(kv or {}), "count": count}})
-        return True
 
 
 class ConnectionCap:
@@ -151,7 +89,7 @@ class ConnectionCap:
         self._made: dict[RequestHandler, float] = {}
         self._served: set[RequestHandler] = set()
         self._closing: set[RequestHandler] = set()
-        self._log = RateLimitedLog(log)
+        self._log = RateLimitedLog(log, LOG_PERIOD_S)
 
     @web.middleware
     async def middleware(
@@ -191,7 +129,7 @@ class ConnectionCap:
                     "refused",
                     logging.WARNING,
                     "connection refused: every connection is busy",
-                    {"listener": self.name, "max_connections": self.max_connections},
+                    kv={"listener": self.name, "max_connections": self.max_connections},
                 )
                 return _Refuse()
             handler = server()
@@ -218,7 +156,7 @@ class ConnectionCap:
             "evicted",
             logging.WARNING,
             "connection cap reached: closed idle connections to admit new ones",
-            {"listener": self.name, "max_connections": self.max_connections},
+            kv={"listener": self.name, "max_connections": self.max_connections},
         )
         return True
 
@@ -232,7 +170,7 @@ class ConnectionCap:
             "header-timeout",
             logging.INFO,
             "closed connections that sent no request head in time",
-            {"listener": self.name, "header_timeout_s": self.header_timeout_s},
+            kv={"listener": self.name, "header_timeout_s": self.header_timeout_s},
         )
 
 
@@ -292,7 +230,7 @@ def install_accept_error_handler(loop: asyncio.AbstractEventLoop) -> None:
     other context goes to the handler that was installed before (or asyncio's default).
     """
     previous = loop.get_exception_handler()
-    limited = RateLimitedLog(log)
+    limited = RateLimitedLog(log, LOG_PERIOD_S)
 
     def handler(lp: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
         message = str(context.get("message", ""))
@@ -307,7 +245,7 @@ def install_accept_error_handler(loop: asyncio.AbstractEventLoop) -> None:
                 f"accept:{where}",
                 logging.WARNING,
                 "accept failed: out of file descriptors or buffers; retrying",
-                {"listener": where, "error": f"{type(exc).__name__}: {exc}" if exc else message},
+                kv={"listener": where, "error": f"{type(exc).__name__}: {exc}" if exc else message},
             )
             return
         if previous is not None:

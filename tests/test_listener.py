@@ -22,7 +22,8 @@ import httpx
 import pytest
 from aiohttp import web
 
-from agent.listener import BoundedSite, ConnectionCap, RateLimitedLog, install_accept_error_handler
+from agent.listener import BoundedSite, ConnectionCap, install_accept_error_handler
+from agent.logs import RateLimitedLog
 
 QUIET = (
     "samplers: {host: {enabled: false}, engines: {enabled: false}, gpu: {enabled: false}, "
