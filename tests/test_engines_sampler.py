@@ -532,6 +532,23 @@ def test_case17_parse_errors_are_cumulative_and_logged_once(
     assert len(warnings) == 1
 
 
+def test_churning_malformed_lines_are_one_warning_per_minute(
+    stub: EngineStub, samplers: list[EngineSampler], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 18, point 7: an engine whose malformed lines carry a new name every scrape
+    logged one WARNING per scrape (11,169 in 4 minutes); now one per reason and minute."""
+    good = (VLLM / "metrics_load.txt").read_text()
+    s = sampler(samplers, stub.url)
+    with caplog.at_level(logging.WARNING):
+        for k in range(30):
+            stub.serve("/metrics", good + f'bad_metric_{k}{{model="x" 1\n')
+            batch = collect(s)
+            assert value(batch, "kvpressure_engine_up") == 1
+    assert value(batch, "kvpressure_engine_parse_errors_total") == 30
+    warned = [r for r in caplog.records if "unparsable line" in r.getMessage()]
+    assert len(warned) == 1, [r.getMessage() for r in warned]
+
+
 def test_case22_restart_over_http(stub: EngineStub, samplers: list[EngineSampler]) -> None:
     s = sampler(samplers, stub.url)
     stub.serve("/metrics", CASES / "22-counter-reset-after-restart.before.input.txt")

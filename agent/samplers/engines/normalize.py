@@ -70,6 +70,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Final, Literal
 
+from agent.logs import RateLimitedLog
 from agent.requests.histograms import (
     DEFAULT_MIN_COUNT,
     DEFAULT_WINDOW_S,
@@ -593,6 +594,7 @@ class Normalizer:
         self._hist: dict[tuple[str, LabelPairs, LabelPairs], tuple[WindowedHistogram, int]] = {}
         self._ratios: dict[tuple[str, str | None], deque[tuple[float, float, float]]] = {}
         self._log = LogOnce(log)
+        self._warn = RateLimitedLog(log, 60.0)
 
     def normalize(
         self,
@@ -902,8 +904,8 @@ class Normalizer:
         ordered = sorted(present, key=lambda m: (m not in self._models, m))
         admitted = set(ordered[: self.max_models])
         for model in ordered[self.max_models :]:
-            self._log(
-                f"model-cap:{model}",
+            self._warn(  # per reason, not per model: churning names must not flood the log
+                "model-cap",
                 logging.WARNING,
                 "%s (%s): more than %d models; dropping samples of model %r",
                 self.engine,
