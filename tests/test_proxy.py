@@ -457,6 +457,43 @@ def test_idle_connections_over_the_cap_do_not_starve_requests_or_cut_streams(
 # --- errors -------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("method", ["GET", "POST"])
+def test_absolute_uri_target_is_a_400_recorded_as_client_error(
+    engine: Engine,
+    make_proxy: Callable[..., RequestProxy],
+    stream: RequestStream,
+    logs: io.StringIO,
+    method: str,
+) -> None:
+    """Issue 18, point 7: ``POST http://other/v1/chat/completions`` (absolute form) is
+    refused with a 400 and, for an inference path, recorded ``client_error``; no 500, no
+    traceback, nothing sent to any other host."""
+    p = make_proxy(engine.url)
+    body = b"{}" if method == "POST" else b""
+    raw = (
+        f"{method} http://other.invalid/v1/chat/completions HTTP/1.1\r\n"
+        f"Host: other.invalid\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    ).encode() + body
+    with socket.create_connection(("127.0.0.1", p.port or 0), timeout=5) as s:
+        s.sendall(raw)
+        answer = b""
+        while chunk := s.recv(65536):
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 400 "), answer[:200]
+    assert b"request target must be a path" in answer
+    assert "Traceback" not in logs.getvalue()
+    if method == "POST":
+        (rec,) = wait_records(stream, 1)
+        assert (rec.outcome, rec.status, rec.error_type) == (
+            "client_error",
+            400,
+            "bad_request_target",
+        )
+    else:
+        time.sleep(0.1)
+        assert stream.drain("test") == []
+
+
 @pytest.mark.parametrize(
     ("mode", "status", "outcome", "error_type", "body"),
     [

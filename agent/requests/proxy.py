@@ -118,6 +118,10 @@ _ERROR_BODY = (
     b'{"error":{"code":502,"message":"kvpressure proxy: upstream unavailable",'
     b'"type":"upstream_down"}}'
 )
+_TARGET_ERROR_BODY = (
+    b'{"error":{"code":400,"message":"kvpressure proxy: the request target must be a path",'
+    b'"type":"invalid_request_error"}}'
+)
 
 
 # --- response observation ---------------------------------------------------------------
@@ -825,6 +829,15 @@ class RequestProxy:
         up = self._up
         if up is None:  # closing
             return web.Response(status=502, body=_ERROR_BODY, content_type="application/json")
+        if not request.raw_path.startswith("/"):
+            # An absolute-form ("GET http://other/x") or asterisk-form target: this proxy
+            # forwards paths to its one engine only.
+            if inference:
+                why = {"error_type": "bad_request_target"}
+                self._record(up.engine, t_wall, t0, "client_error", 400, None, UpstreamUse(), why)
+            return web.Response(
+                status=400, body=_TARGET_ERROR_BODY, content_type="application/json"
+            )
         up.active += 1
         use = UpstreamUse()
         rec: dict[str, Any] = {}
