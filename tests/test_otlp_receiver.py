@@ -11,6 +11,7 @@ import asyncio
 import base64
 import gzip
 import json
+import logging
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -333,6 +334,33 @@ def test_garbage_is_400_with_one_line_and_counted(
         agent.url, content=export(capture_span()).SerializeToString(), headers={"Content-Type": PB}
     )
     assert ok.status_code == 200
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"resourceSpans": [{"scopeSpans": [{"spans": [{"startTimeUnixNano": "%s"}]}]}]}',
+        b'{"resourceSpans": [{"resource": {"attributes": [{"key": "k", "value": '
+        b'{"intValue": "%s"}}]}}]}',
+        b'{"resourceSpans": "%s"}',
+        b'{"resourceSpans": [%s]}',
+    ],
+)
+def test_decode_errors_do_not_echo_client_data(
+    agent: Agent, body: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 18, point 7: the 400's message names the field, never the client's value."""
+    secret = "CLIENT-SECRET-" + "q" * 300
+    with caplog.at_level(logging.DEBUG):
+        r = httpx.post(
+            agent.url, content=body % secret.encode(), headers={"Content-Type": "application/json"}
+        )
+    assert r.status_code == 400
+    message = r.json()["message"]
+    assert message.startswith(("invalid OTLP JSON: bad value at ", "invalid JSON body: "))
+    assert len(message) <= 200
+    assert "CLIENT-SECRET" not in r.text
+    assert "CLIENT-SECRET" not in caplog.text
 
 
 def test_unsupported_content_type_and_encoding_are_415(agent: Agent) -> None:

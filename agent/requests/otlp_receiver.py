@@ -191,18 +191,35 @@ def decode(body: bytes, media_type: str) -> ExportTraceServiceRequest:
         try:
             req.ParseFromString(body)
         except (DecodeError, RuntimeError, ValueError) as exc:
-            raise OtlpDecodeError(f"invalid protobuf body: {exc}") from None
+            raise OtlpDecodeError(f"invalid protobuf body: {_no_data(str(exc))}") from None
         return req
     try:
         doc = json.loads(body)
+    except json.JSONDecodeError as exc:
+        where = f"line {exc.lineno} column {exc.colno}"
+        raise OtlpDecodeError(f"invalid JSON body: {_no_data(exc.msg)} at {where}") from None
+    except UnicodeDecodeError as exc:
+        raise OtlpDecodeError(f"invalid JSON body: not UTF-8 at byte {exc.start}") from None
     except (ValueError, RecursionError) as exc:
-        raise OtlpDecodeError(f"invalid JSON body: {exc}") from None
+        raise OtlpDecodeError(f"invalid JSON body: {type(exc).__name__}") from None
     _fix_ids(doc)
     try:
         json_format.ParseDict(doc, req, ignore_unknown_fields=True)
     except (json_format.ParseError, ValueError, TypeError, RecursionError) as exc:
-        raise OtlpDecodeError(f"invalid OTLP JSON: {exc}") from None
+        # protobuf's message quotes the offending value (client data): name the field only
+        path = ".".join(_FIELD_IN_ERROR.findall(str(exc))) or "(top level)"
+        raise OtlpDecodeError(f"invalid OTLP JSON: bad value at {path[:120]}") from None
     return req
+
+
+_FIELD_IN_ERROR = re.compile(r"Failed to parse (\w{1,64}) field")
+_ERROR_TEXT = re.compile(r"[^A-Za-z0-9 _.,()-]")
+
+
+def _no_data(message: str, limit: int = 80) -> str:
+    """A decoder's message cut before any quoted or ``:``-introduced detail, capped."""
+    head = re.split(r"[:'\"]", message, maxsplit=1)[0]
+    return " ".join(_ERROR_TEXT.sub(" ", head).split())[:limit]
 
 
 # --- attribute helpers ----------------------------------------------------------------
@@ -551,7 +568,7 @@ class OtlpReceiver:
         except OverflowError:
             return self._error(413, _GRPC_RESOURCE_EXHAUSTED, too_large, media, "too_large")
         except OtlpDecodeError as exc:
-            msg = " ".join(str(exc).split())[:300]
+            msg = " ".join(str(exc).split())[:200]  # built from our own words only
             return self._error(400, _GRPC_INVALID_ARGUMENT, msg, media, "bad_request")
         except Exception as exc:  # noqa: BLE001 - a malformed export must never escape
             msg = f"cannot process export: {type(exc).__name__}"
