@@ -32,7 +32,13 @@ from agent import logs
 from agent.api import attribution_routes, make_app
 from agent.attribution.store import AttributionStore
 from agent.config import Config, ConfigError, EngineConfig, load
-from agent.listener import IDLE_TIMEOUT_S, BoundedSite, ConnectionCap, install_accept_error_handler
+from agent.listener import (
+    IDLE_TIMEOUT_S,
+    BoundedSite,
+    ConnectionCap,
+    ServerLog,
+    install_accept_error_handler,
+)
 from agent.requests.metrics import RequestMetrics
 from agent.requests.otlp_receiver import OtlpReceiver
 from agent.requests.proxy import RequestProxy
@@ -563,6 +569,7 @@ class Daemon:
             handle_signals=False,
             shutdown_timeout=0.5,
             keepalive_timeout=IDLE_TIMEOUT_S,
+            logger=ServerLog(cap.name),
         )
         await runner.setup()
         site = BoundedSite(runner, listen_host, listen_port, cap)

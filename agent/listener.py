@@ -33,6 +33,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Final
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestHandler
 
 from agent.logs import RateLimitedLog
@@ -172,6 +173,38 @@ class ConnectionCap:
             "closed connections that sent no request head in time",
             kv={"listener": self.name, "header_timeout_s": self.header_timeout_s},
         )
+
+
+class ServerLog(logging.LoggerAdapter):  # type: ignore[type-arg]
+    """aiohttp's server logger for one listener, without a traceback per malformed request.
+
+    aiohttp logs an ERROR with a traceback for every request its HTTP parser refuses with a
+    4xx (a bad header, a bad URL, garbage): a client could fill the log with them. Those
+    become one WARNING line per :data:`LOG_PERIOD_S` with a count and the error's type;
+    everything else (a handler's own exception, a 500) is logged as aiohttp logs it.
+
+    Args:
+        name: the listener, for log lines.
+    """
+
+    def __init__(self, name: str) -> None:
+        super().__init__(logging.getLogger("aiohttp.server"), {})
+        self.listener = name
+        self._limited = RateLimitedLog(log, LOG_PERIOD_S)
+
+    def log(self, level: int, msg: object, *args: Any, **kwargs: Any) -> None:
+        """Log as aiohttp asks, except a client's malformed request (see the class doc)."""
+        exc = kwargs.get("exc_info")
+        code = getattr(exc, "code", None)
+        if isinstance(exc, HttpProcessingError) and isinstance(code, int) and code < 500:
+            self._limited(
+                "malformed",
+                logging.WARNING,
+                "malformed HTTP requests refused",
+                kv={"listener": self.listener, "status": code, "error": type(exc).__name__},
+            )
+            return
+        super().log(level, msg, *args, **kwargs)
 
 
 class _Refuse(asyncio.Protocol):

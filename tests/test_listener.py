@@ -22,7 +22,7 @@ import httpx
 import pytest
 from aiohttp import web
 
-from agent.listener import BoundedSite, ConnectionCap, install_accept_error_handler
+from agent.listener import BoundedSite, ConnectionCap, ServerLog, install_accept_error_handler
 from agent.logs import RateLimitedLog
 
 QUIET = (
@@ -263,3 +263,42 @@ def test_rate_limited_log_counts_between_lines(caplog: pytest.LogCaptureFixture)
         assert limited("a", logging.WARNING, "A") is True
     counts = [(r.getMessage(), r.kv["count"]) for r in caplog.records]  # type: ignore[attr-defined]
     assert counts == [("A", 1), ("A", 10), ("B", 1), ("C", 1), ("D", 1), ("A", 1)]
+
+
+def test_malformed_requests_are_one_warning_without_a_traceback(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Issue 18, point 7: aiohttp logged an ERROR with a traceback per malformed request."""
+
+    async def main() -> list[bytes]:
+        async def handler(_: web.Request) -> web.Response:
+            return web.Response(text="ok")
+
+        cap = ConnectionCap("test")
+        app = web.Application(middlewares=[cap.middleware])
+        app.router.add_get("/", handler)
+        runner = web.AppRunner(app, access_log=None, logger=ServerLog("test"))
+        await runner.setup()
+        site = BoundedSite(runner, "127.0.0.1", 0, cap)
+        await site.start()
+        answers = []
+        try:
+            for raw in [b"GET / HTTP/1.1\r\nHost: x\r\nBad Header\r\n\r\n"] * 20 + [
+                b"GET /\x00 HTTP/1.1\r\n\r\n"
+            ] * 20:
+                reader, writer = await asyncio.open_connection("127.0.0.1", site.port)
+                writer.write(raw)
+                await writer.drain()
+                answers.append(await asyncio.wait_for(reader.read(), 5))
+                writer.close()
+        finally:
+            await runner.cleanup()
+        return answers
+
+    with caplog.at_level(logging.DEBUG):
+        answers = asyncio.run(main())
+    assert all(a.startswith(b"HTTP/1.0 400 ") for a in answers)
+    assert "Traceback" not in caplog.text
+    assert not [r for r in caplog.records if r.exc_info]
+    warned = [r for r in caplog.records if r.getMessage() == "malformed HTTP requests refused"]
+    assert len(warned) == 1

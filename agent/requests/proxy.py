@@ -56,7 +56,13 @@ from aiohttp import ClientRequest, web
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
-from agent.listener import IDLE_TIMEOUT_S, MAX_CONNECTIONS, BoundedSite, ConnectionCap
+from agent.listener import (
+    IDLE_TIMEOUT_S,
+    MAX_CONNECTIONS,
+    BoundedSite,
+    ConnectionCap,
+    ServerLog,
+)
 from agent.requests.record import MAX_ITL_GAPS, RequestRecord, RequestStream
 
 if TYPE_CHECKING:
@@ -728,6 +734,7 @@ class RequestProxy:
             handler_cancellation=True,
             shutdown_timeout=CLOSE_GRACE_S,
             keepalive_timeout=IDLE_TIMEOUT_S,
+            logger=ServerLog(self.cap.name),
         )
         await runner.setup()
         host, port = _split_listen(self.listen)
