@@ -12,9 +12,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Final
 
 from aiohttp import web
 from aiohttp.typedefs import Middleware
@@ -100,12 +102,18 @@ def make_app(
     return app
 
 
+MAX_ATTRIBUTIONS_LIMIT: Final = 1000
+"""Most attributions (and windows) one ``/api/v1/attributions`` answer lists."""
+
+
 def attribution_routes(store: AttributionStore, window_s: float) -> list[web.RouteDef]:
     """``GET /api/v1/attributions?since=10m[&engine=E][&limit=N]`` for ``kvpressure explain``.
 
-    ``since`` is a duration (``600``, ``90s``, ``10m``, ``1h``; default ``10m``); the answer
-    is :meth:`agent.attribution.store.AttributionStore.query`'s document. A bad parameter is
-    answered 400 with ``{"error": ...}``.
+    ``since`` is a duration (``600``, ``90s``, ``10m``, ``1h``; default ``10m``); ``limit``
+    (default 100) is at most :data:`MAX_ATTRIBUTIONS_LIMIT`; the answer is
+    :meth:`agent.attribution.store.AttributionStore.query`'s document, built and encoded on a
+    worker thread so a large answer never holds up the event loop (``/healthz``, proxied
+    streams). A bad parameter is answered 400 with ``{"error": ...}``.
     """
     from agent.attribution.explain import parse_since
 
@@ -116,10 +124,16 @@ def attribution_routes(store: AttributionStore, window_s: float) -> list[web.Rou
             limit = int(q.get("limit", "100"))
         except ValueError as exc:
             return web.json_response({"error": str(exc)}, status=400)
+        if not 0 <= limit <= MAX_ATTRIBUTIONS_LIMIT:
+            error = f"limit must be between 0 and {MAX_ATTRIBUTIONS_LIMIT}"
+            return web.json_response({"error": error}, status=400)
         now = time.time()
-        doc = store.query(
-            now - since_s, now, engine=q.get("engine") or None, limit=limit, window_s=window_s
-        )
-        return web.json_response(doc)
+        engine = q.get("engine") or None
+
+        def build() -> str:
+            doc = store.query(now - since_s, now, engine=engine, limit=limit, window_s=window_s)
+            return json.dumps(doc)
+
+        return web.Response(text=await asyncio.to_thread(build), content_type="application/json")
 
     return [web.get("/api/v1/attributions", attributions)]
