@@ -1065,7 +1065,7 @@ _ALL: tuple[Metric, ...] = (
         "counter",
         "1",
         "OTLP/HTTP trace exports received at /v1/traces by result (ok, partial, bad_request, "
-        "too_large, unsupported_media_type).",
+        "too_large, unsupported_media_type, busy = 503 while the decode slots are full).",
         ("result",),
         "",
         "requests",

@@ -12,7 +12,9 @@ import base64
 import gzip
 import json
 import logging
+import socket
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -536,3 +538,62 @@ def test_default_limit_accepts_bodies_above_aiohttps_own_1_mib(stream: RequestSt
         assert len(stream.drain("test")) == 6000
     finally:
         a.stop()
+
+
+# --- bounded work per client (issue 18, point 6) ------------------------------------------------
+
+
+def test_spans_per_export_and_attributes_per_span_are_capped(stream: RequestStream) -> None:
+    from agent.requests.otlp_receiver import MAX_ATTRIBUTES_PER_SPAN, MAX_SPANS_PER_EXPORT
+
+    receiver = OtlpReceiver(stream)
+    plain = [Span(name="db.query", start_time_unix_nano=1, end_time_unix_nano=2)] * (
+        MAX_SPANS_PER_EXPORT + 5
+    )
+    resp = receiver.export(export(*plain))
+    assert resp.partial_success.rejected_spans == 5
+    assert f"more than {MAX_SPANS_PER_EXPORT} spans" in resp.partial_success.error_message
+    wide = capture_span()
+    wide.attributes.extend(kv(f"x.{i}", i) for i in range(MAX_ATTRIBUTES_PER_SPAN))
+    resp = receiver.export(export(wide, capture_span()))
+    assert resp.partial_success.rejected_spans == 1
+    assert "attributes" in resp.partial_success.error_message
+    assert len(stream.drain("test")) == 1  # the ordinary capture span only
+
+
+def test_concurrent_decodes_are_bounded_and_the_overflow_is_a_503(
+    agent: Agent, stream: RequestStream
+) -> None:
+    """Two exports decode at once and 16 wait; the next one is told to retry (503,
+    Retry-After) at once instead of piling up bodies in memory."""
+    from agent.requests.otlp_receiver import MAX_CONCURRENT_DECODES, MAX_WAITING_DECODES
+
+    n = MAX_CONCURRENT_DECODES + MAX_WAITING_DECODES
+    head = (
+        f"POST /v1/traces HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: {PB}\r\n"
+        "Content-Length: 1000\r\n\r\n"
+    ).encode()
+    slow = []
+    try:
+        for _ in range(n):  # each sends 10 of its 1,000 bytes, then stalls
+            s = socket.create_connection(("127.0.0.1", agent.port), timeout=5)
+            s.sendall(head + b"\x0a" * 10)
+            slow.append(s)
+        deadline = time.monotonic() + 5
+        while agent.receiver._queued < n and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert agent.receiver._queued == n
+        r = httpx.post(agent.url, content=export(capture_span()).SerializeToString(),
+                       headers={"Content-Type": PB}, timeout=5)  # fmt: skip
+        assert r.status_code == 503 and r.headers["Retry-After"] == "1"
+        assert counters(agent.receiver)[("kvpressure_otlp_requests_total", "busy")] == 1
+    finally:
+        for s in slow:
+            s.close()
+    deadline = time.monotonic() + 5
+    while agent.receiver._queued and time.monotonic() < deadline:
+        time.sleep(0.02)
+    ok = httpx.post(agent.url, content=export(capture_span()).SerializeToString(),
+                    headers={"Content-Type": PB}, timeout=5)  # fmt: skip
+    assert ok.status_code == 200
+    assert len(stream.drain("test")) == 1

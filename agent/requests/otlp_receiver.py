@@ -28,10 +28,14 @@ engine), else the span's provider attribute, else the engine kind (``vllm``, ``t
 bounded to :data:`~agent.requests.metrics.MAX_ENGINES` values.
 
 Answers: 200 with an ``ExportTraceServiceResponse`` in the request's encoding
-(``partial_success.rejected_spans`` counts understood spans whose values were unusable);
-400 for undecodable bodies, 413 over ``max_body_bytes`` (compressed or not), 415 for other
-content types or encodings, each with a one-line ``google.rpc.Status`` message. Nothing
-raised while decoding escapes the handler.
+(``partial_success.rejected_spans`` counts understood spans whose values were unusable,
+spans with more than :data:`MAX_ATTRIBUTES_PER_SPAN` attributes and spans beyond
+:data:`MAX_SPANS_PER_EXPORT`); 400 for undecodable bodies, 413 over ``max_body_bytes``
+(compressed or not), 415 for other content types or encodings, 503 with ``Retry-After`` when
+:data:`MAX_CONCURRENT_DECODES` exports are being decoded and :data:`MAX_WAITING_DECODES`
+more wait, each with a one-line ``google.rpc.Status`` message. Nothing raised while decoding
+escapes the handler. Decoding runs on worker threads, at most two at a time, so clients
+sending large exports cannot take the CPU from the samplers or the event loop.
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ import threading
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 from aiohttp import web
 from google.protobuf import json_format
@@ -76,6 +80,15 @@ REQUESTS_METRIC = "kvpressure_otlp_requests_total"
 _GRPC_INVALID_ARGUMENT = 3
 _GRPC_RESOURCE_EXHAUSTED = 8
 _GRPC_UNIMPLEMENTED = 12
+_GRPC_UNAVAILABLE = 14
+MAX_CONCURRENT_DECODES: Final = 2
+"""Exports whose bodies are read and decoded at the same time (the rest wait their turn)."""
+MAX_WAITING_DECODES: Final = 16
+"""Exports waiting for a decode slot; beyond them an export is answered 503 (retryable)."""
+MAX_SPANS_PER_EXPORT: Final = 10_000
+"""Spans read from one export; the rest are rejected (``partial_success``)."""
+MAX_ATTRIBUTES_PER_SPAN: Final = 512
+"""A span with more attributes is rejected unread (an LLM request span has about 30)."""
 
 _INFERENCE_OPS = frozenset({"chat", "text_completion", "generate_content", "completion"})
 _LLM_REQUEST_TYPES = frozenset({"chat", "completion"})
@@ -368,6 +381,10 @@ class OtlpReceiver:
         self._engines = LabelCap(max_engines)
         self._c = _Counters()
         self._warned: set[str] = set()
+        # At most MAX_CONCURRENT_DECODES bodies read and decoded at once, and a bounded
+        # number of exports waiting for their turn (more are answered 503 Retry-After).
+        self._decoding = asyncio.Semaphore(MAX_CONCURRENT_DECODES)
+        self._queued = 0
 
     def configure(
         self, enabled: bool, max_body_bytes: int, service_engines: Mapping[str, str]
@@ -394,6 +411,8 @@ class OtlpReceiver:
         Raises:
             _Reject: an LLM request span whose values are unusable (the message says which).
         """
+        if len(span.attributes) > MAX_ATTRIBUTES_PER_SPAN:
+            raise _Reject(f"more than {MAX_ATTRIBUTES_PER_SPAN} attributes")
         keys = {kv.key for kv in span.attributes}
         if span.name == "llm_request" or "gen_ai.latency.e2e" in keys:
             kind = "vllm"
@@ -475,7 +494,7 @@ class OtlpReceiver:
         Returns:
             The response to send; ``partial_success`` is set when spans were rejected.
         """
-        recorded = ignored = rejected = 0
+        recorded = ignored = rejected = over = 0
         first_reason = ""
         for rs in req.resource_spans:
             service: str | None = None
@@ -485,6 +504,9 @@ class OtlpReceiver:
                     break
             for ss in rs.scope_spans:
                 for span in ss.spans:
+                    if recorded + ignored + rejected >= MAX_SPANS_PER_EXPORT:
+                        over += 1
+                        continue
                     try:
                         record = self.span_record(span, service)
                     except _Reject as exc:
@@ -498,6 +520,9 @@ class OtlpReceiver:
                     recorded += 1
         self._c.add("spans", "record", recorded)
         self._c.add("spans", "ignored", ignored)
+        if over:
+            rejected += over
+            first_reason = first_reason or f"more than {MAX_SPANS_PER_EXPORT} spans in one export"
         self._c.add("spans", "rejected", rejected)
         resp = ExportTraceServiceResponse()
         if rejected:
@@ -555,6 +580,24 @@ class OtlpReceiver:
                 media,
                 "unsupported_media_type",
             )
+        if self._queued >= MAX_CONCURRENT_DECODES + MAX_WAITING_DECODES:
+            busy = self._error(
+                503,
+                _GRPC_UNAVAILABLE,
+                f"busy: {MAX_CONCURRENT_DECODES} exports are being decoded; retry later",
+                media,
+                "busy",
+            )
+            busy.headers["Retry-After"] = "1"
+            return busy
+        self._queued += 1
+        try:
+            async with self._decoding:
+                return await self._receive(request, media, encoding)
+        finally:
+            self._queued -= 1
+
+    async def _receive(self, request: web.Request, media: str, encoding: str) -> web.Response:
         too_large = f"body larger than otlp_receiver.max_body_bytes ({self.max_body_bytes})"
         try:
             body = await self._read_body(request)
