@@ -108,7 +108,16 @@ _ALL: tuple[Metric, ...] = (
         "kvpressure_timeline_dropped_samples_total",
         "counter",
         "1",
-        "Samples dropped because the timeline's series cap was reached.",
+        "Samples of new series dropped because the timeline's series cap was reached and no "
+        "series had gone unwritten long enough to give its place.",
+    ),
+    _m(
+        "kvpressure_timeline_evicted_series_total",
+        "counter",
+        "1",
+        "Series forgotten by the timeline, by reason (stale = not written for 15 min, cap = "
+        "gave its place to a new series at the cap).",
+        ("reason",),
     ),
     _m(
         "kvpressure_exporter_unknown_samples_total",
