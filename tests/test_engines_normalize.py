@@ -452,3 +452,22 @@ def test_parse_props_of_the_capture() -> None:
     assert props.model == "gemma-3-270m-q4_k_m.gguf"
     assert (props.n_ctx, props.total_slots, props.endpoint_slots) == (512, 4, True)
     assert parse_props([]) is None
+
+
+def test_ratio_windows_and_log_once_keys_do_not_grow_with_a_churning_model() -> None:
+    """Issue 18, point 2: per-model state is forgotten once the model is gone."""
+    from agent.samplers.base import LogOnce
+
+    n = Normalizer(ENGINE_TYPES["vllm"], "e1", "h:1")
+    for k in range(500):  # a new model every scrape, one scrape a second
+        body = (
+            f'vllm:prefix_cache_queries_total{{model_name="m{k}"}} {100 + k}\n'
+            f'vllm:prefix_cache_hits_total{{model_name="m{k}"}} {50 + k}\n'
+        )
+        n.normalize(parse_exposition(body, None), now=1000.0 + k)
+    assert 0 < len(n._ratios) <= 61  # the models of the last ratio window (60 s)
+
+    once = LogOnce(logging.getLogger("t"), max_keys=100)
+    for k in range(1000):
+        once(f"k{k}", logging.DEBUG, "x")
+    assert len(once._seen) == 100

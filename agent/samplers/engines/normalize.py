@@ -889,6 +889,11 @@ class Normalizer:
                 d_num, d_den = num - num0, den - den0
                 if t0 < now and d_den > 0 and 0 <= d_num <= d_den:
                     self._emit(out, ratio.canonical, model, d_num / d_den)
+        # A (ratio, model) not updated for a whole window (the model went away) is forgotten,
+        # so a churning model label cannot grow this map.
+        horizon = now - max(r.window_s for r in self.mapping.ratios)
+        for key in [k for k, ring in self._ratios.items() if not ring or ring[-1][0] < horizon]:
+            del self._ratios[key]
 
     # -- models and emission -----------------------------------------------------------------
 
