@@ -31,7 +31,15 @@ log = logging.getLogger("agent")
 
 def _cmd_run(args: argparse.Namespace) -> int:
     # Command-line settings win over the file's, at start and at every reload (SIGHUP).
-    overrides = {k: v for k, v in (("listen", args.listen), ("log_level", args.log_level)) if v}
+    overrides = {
+        k: v
+        for k, v in (
+            ("listen", args.listen),
+            ("log_level", args.log_level),
+            ("web_config_file", args.web_config_file),
+        )
+        if v
+    }
     try:
         cfg: Config = (
             load(args.config, overrides)
@@ -48,7 +56,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
     soft, hard = raise_fd_limit()
     log.debug("open files limit", extra={"kv": {"soft": soft, "hard": hard}})
 
-    daemon = Daemon(cfg, args.config, overrides=overrides)
+    try:
+        daemon = Daemon(cfg, args.config, overrides=overrides)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 1
     log.info(
         "kvpressure starting",
         extra={"kv": {"version": __version__, "config": args.config or "<embedded default>"}},
@@ -66,6 +78,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
 def _cmd_check_config(args: argparse.Namespace) -> int:
     try:
         cfg = load(args.file)
+        if cfg.web_config_file:
+            from agent.webconfig import load_web_config
+
+            load_web_config(cfg.web_config_file)
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return 1
@@ -235,6 +251,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--config", "-c", help="YAML config file")
     run.add_argument("--listen", help="override the listen address (host:port)")
     run.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    run.add_argument(
+        "--web.config.file",
+        dest="web_config_file",
+        help="Prometheus exporter web-config file: TLS and basic auth of the listener",
+    )
     run.set_defaults(func=_cmd_run)
 
     chk = sub.add_parser("check-config", help="validate a config file (exit 1 when invalid)")

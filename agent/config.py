@@ -370,6 +370,7 @@ class Config(_Model):
 
     listen: str = "127.0.0.1:9470"
     max_connections: int = Field(default=1000, ge=1, le=100_000)
+    web_config_file: str | None = None
     interval_s: Seconds = Field(default=1.0, ge=0.1, le=3600)
     procfs_root: str = "/proc"
     sysfs_root: str = "/sys"

@@ -48,6 +48,7 @@ from agent.samples import Batch
 from agent.sdnotify import Notifier
 from agent.state import AgentState, SamplerReport
 from agent.timeline import Timeline
+from agent.webconfig import WebSecurity, load_web_config
 from exporters.prometheus import make_registry
 
 if TYPE_CHECKING:
@@ -180,6 +181,9 @@ class Daemon:
             tests); they are kept across reloads.
         overrides: top-level settings given on the command line (``listen``,
             ``log_level``); they replace the file's at every reload too.
+
+    Raises:
+        ConfigError: ``web_config_file`` is set and cannot be loaded.
     """
 
     def __init__(
@@ -191,6 +195,10 @@ class Daemon:
         overrides: Mapping[str, Any] | None = None,
     ) -> None:
         self.config = config
+        # TLS and basic auth of the listener, read once at start (agent.webconfig).
+        self.web: WebSecurity | None = (
+            load_web_config(config.web_config_file) if config.web_config_file else None
+        )
         self._overrides = dict(overrides or {})
         self._reload_lock = asyncio.Lock()
         self._reloads: set[asyncio.Task[bool]] = set()
@@ -562,7 +570,10 @@ class Daemon:
             *attribution_routes(self.attributions, self.config.attribution.window_s),
         ]
         cap = ConnectionCap(f"api {listen_host}:{listen_port}", self.config.max_connections)
-        app = make_app(self.state, self._registry, routes, middlewares=[cap.middleware])
+        middlewares = [cap.middleware]
+        if self.web is not None and self.web.auth_required:
+            middlewares.append(self.web.middleware)
+        app = make_app(self.state, self._registry, routes, middlewares=middlewares)
         runner = web.AppRunner(
             app,
             access_log=None,
@@ -572,7 +583,8 @@ class Daemon:
             logger=ServerLog(cap.name),
         )
         await runner.setup()
-        site = BoundedSite(runner, listen_host, listen_port, cap)
+        ssl_context = self.web.ssl_context if self.web is not None else None
+        site = BoundedSite(runner, listen_host, listen_port, cap, ssl_context)
         try:
             await site.start()
         except BaseException:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import ssl
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Any, Final
@@ -224,13 +225,21 @@ class BoundedSite(web.TCPSite):
         host: address to bind.
         port: port to bind (0: any free one).
         cap: the listener's cap.
+        ssl_context: serve TLS with this context (see :mod:`agent.webconfig`).
 
     Raises:
         OSError: from :meth:`start`, when the address cannot be bound.
     """
 
-    def __init__(self, runner: web.BaseRunner, host: str, port: int, cap: ConnectionCap) -> None:
-        super().__init__(runner, host, port, reuse_address=True)
+    def __init__(
+        self,
+        runner: web.BaseRunner,
+        host: str,
+        port: int,
+        cap: ConnectionCap,
+        ssl_context: ssl.SSLContext | None = None,
+    ) -> None:
+        super().__init__(runner, host, port, reuse_address=True, ssl_context=ssl_context)
         self.cap = cap
 
     async def start(self) -> None:
@@ -243,6 +252,7 @@ class BoundedSite(web.TCPSite):
             self.cap.protocol_factory(server),
             self._host,
             self._port,
+            ssl=self._ssl_context,
             backlog=self._backlog,
             reuse_address=True,
         )
