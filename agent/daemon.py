@@ -532,6 +532,11 @@ class Daemon:
     def _adopt(self, new: Config) -> None:
         old = self.config
         self.config = new
+        if new.web_config_file != old.web_config_file:
+            log.warning(
+                "web_config_file changed; TLS and basic auth change at the next start",
+                extra={"kv": {"web_config_file": new.web_config_file or ""}},
+            )
         if new.discovery != old.discovery or not new.discovery.enabled:
             self._discovered.clear()
         logs.set_level(new.log_level)
