@@ -498,17 +498,25 @@ class Daemon:
             True when the new config was applied.
         """
         async with self._reload_lock:
+            adopted = False
             try:
                 new = await asyncio.to_thread(self._read_config)
                 if new is None:
                     return False
                 self._adopt(new)
+                adopted = True
                 if (new.listen_host, new.listen_port) != self._listen_addr:
                     await self._rebind(new.listen_host, new.listen_port)
                 await self._apply_proxies(new)
                 return True
             except Exception as exc:  # noqa: BLE001 - a reload must never kill the agent
-                self._reject(exc, "config reload failed while applying")
+                if adopted:  # counted ok already: the config is in force, a listener is not
+                    log.error(
+                        "config reload applied, but moving the listeners failed",
+                        extra={"kv": {"error": f"{type(exc).__name__}: {exc}"[:500]}},
+                    )
+                else:
+                    self._reject(exc, "config reload failed while applying")
                 return False
             finally:
                 self.notifier.ready(self._status_line())
