@@ -1074,7 +1074,8 @@ _ALL: tuple[Metric, ...] = (
         "counter",
         "1",
         "OTLP/HTTP trace exports received at /v1/traces by result (ok, partial, bad_request, "
-        "too_large, unsupported_media_type, busy = 503 while the decode slots are full).",
+        "too_large, unsupported_media_type, busy = 503 while the decode slots are full, "
+        "read_timeout = 408 for a body that did not arrive within 10 s).",
         ("result",),
         "",
         "requests",

@@ -597,3 +597,29 @@ def test_concurrent_decodes_are_bounded_and_the_overflow_is_a_503(
                     headers={"Content-Type": PB}, timeout=5)  # fmt: skip
     assert ok.status_code == 200
     assert len(stream.drain("test")) == 1
+
+
+def test_a_body_dripped_slowly_is_a_408_and_frees_its_slot(
+    agent: Agent, stream: RequestStream, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from agent.requests import otlp_receiver
+
+    monkeypatch.setattr(otlp_receiver, "BODY_READ_TIMEOUT_S", 0.5)
+    head = (
+        f"POST /v1/traces HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: {PB}\r\n"
+        "Content-Length: 1000\r\n\r\n"
+    ).encode()
+    with socket.create_connection(("127.0.0.1", agent.port), timeout=5) as s:
+        s.sendall(head + b"\x0a" * 10)  # then nothing
+        answer = b""
+        while b"\r\n\r\n" not in answer:
+            chunk = s.recv(4096)
+            if not chunk:
+                break
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 408 "), answer[:100]
+    assert counters(agent.receiver)[("kvpressure_otlp_requests_total", "read_timeout")] == 1
+    assert agent.receiver._queued == 0
+    ok = httpx.post(agent.url, content=export(capture_span()).SerializeToString(),
+                    headers={"Content-Type": PB}, timeout=5)  # fmt: skip
+    assert ok.status_code == 200

@@ -31,7 +31,8 @@ Answers: 200 with an ``ExportTraceServiceResponse`` in the request's encoding
 (``partial_success.rejected_spans`` counts understood spans whose values were unusable,
 spans with more than :data:`MAX_ATTRIBUTES_PER_SPAN` attributes and spans beyond
 :data:`MAX_SPANS_PER_EXPORT`); 400 for undecodable bodies, 413 over ``max_body_bytes``
-(compressed or not), 415 for other content types or encodings, 503 with ``Retry-After`` when
+(compressed or not), 408 when the body takes longer than :data:`BODY_READ_TIMEOUT_S` to
+arrive, 415 for other content types or encodings, 503 with ``Retry-After`` when
 :data:`MAX_CONCURRENT_DECODES` exports are being decoded and :data:`MAX_WAITING_DECODES`
 more wait, each with a one-line ``google.rpc.Status`` message. Nothing raised while decoding
 escapes the handler. Decoding runs on worker threads, at most two at a time, so clients
@@ -85,6 +86,8 @@ MAX_CONCURRENT_DECODES: Final = 2
 """Exports whose bodies are read and decoded at the same time (the rest wait their turn)."""
 MAX_WAITING_DECODES: Final = 16
 """Exports waiting for a decode slot; beyond them an export is answered 503 (retryable)."""
+BODY_READ_TIMEOUT_S: Final = 10.0
+"""Seconds an export's body may take to arrive once its decode slot is free (408 past it)."""
 MAX_SPANS_PER_EXPORT: Final = 10_000
 """Spans read from one export; the rest are rejected (``partial_success``)."""
 MAX_ATTRIBUTES_PER_SPAN: Final = 512
@@ -600,7 +603,13 @@ class OtlpReceiver:
     async def _receive(self, request: web.Request, media: str, encoding: str) -> web.Response:
         too_large = f"body larger than otlp_receiver.max_body_bytes ({self.max_body_bytes})"
         try:
-            body = await self._read_body(request)
+            async with asyncio.timeout(BODY_READ_TIMEOUT_S):
+                body = await self._read_body(request)
+        except TimeoutError:
+            # A body dripped in slowly must not hold a decode slot: 408, and the client
+            # may retry (the OTLP exporters do).
+            msg = f"body not received within {BODY_READ_TIMEOUT_S:g} s"
+            return self._error(408, _GRPC_UNAVAILABLE, msg, media, "read_timeout")
         except Exception as exc:  # noqa: BLE001 - reset, truncated or undecodable upload
             msg = f"cannot read body: {type(exc).__name__}"
             return self._error(400, _GRPC_INVALID_ARGUMENT, msg, media, "bad_request")
