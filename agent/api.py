@@ -15,11 +15,14 @@ sampler without an NVML library: ``sources`` says which and why); ``up`` is true
 
 from __future__ import annotations
 
+import asyncio
+import json
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, Final
 
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 from prometheus_client.registry import CollectorRegistry
 
 from agent import __version__
@@ -83,6 +86,7 @@ def make_app(
     state: AgentState,
     registry: CollectorRegistry,
     routes: Sequence[web.AbstractRouteDef] = (),
+    middlewares: Sequence[Middleware] = (),
 ) -> web.Application:
     """Build the aiohttp application serving ``state``.
 
@@ -92,6 +96,8 @@ def make_app(
             :func:`exporters.prometheus.make_registry`).
         routes: extra routes served on the same listener (e.g. the OTLP trace receiver's
             ``POST /v1/traces``).
+        middlewares: aiohttp middlewares (the listener's
+            :attr:`agent.listener.ConnectionCap.middleware`).
     """
 
     async def metrics(request: web.Request) -> web.Response:
@@ -108,12 +114,20 @@ def make_app(
 
     # Request bodies reach the handlers as sent: the OTLP receiver decompresses gzip itself,
     # under its own size limit (otlp_receiver.max_body_bytes) and with its own errors.
-    app = web.Application(client_max_size=1 << 20, handler_args={"auto_decompress": False})
+    app = web.Application(
+        client_max_size=1 << 20,
+        handler_args={"auto_decompress": False},
+        middlewares=list(middlewares),
+    )
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/api/v1/snapshot", snap)
     app.router.add_routes(routes)
     return app
+
+
+MAX_ATTRIBUTIONS_LIMIT: Final = 1000
+"""Most attributions (and windows) one ``/api/v1/attributions`` answer lists."""
 
 
 def attribution_routes(
@@ -125,10 +139,12 @@ def attribution_routes(
 ) -> list[web.RouteDef]:
     """``GET /api/v1/attributions?since=10m[&engine=E][&limit=N]`` for ``kvpressure explain``.
 
-    ``since`` is a duration (``600``, ``90s``, ``10m``, ``1h``; default ``10m``); the answer
-    is :meth:`agent.attribution.store.AttributionStore.query`'s document, plus
-    ``agent_started`` (Unix seconds) and ``requested_since`` (``now - since``): the
-    document's ``since`` never lies before the agent started (nothing was observed then),
+    ``since`` is a duration (``600``, ``90s``, ``10m``, ``1h``; default ``10m``); ``limit``
+    (default 100) is at most :data:`MAX_ATTRIBUTIONS_LIMIT`; the answer is
+    :meth:`agent.attribution.store.AttributionStore.query`'s document, built and encoded on a
+    worker thread so a large answer never holds up the event loop (``/healthz``, proxied
+    streams), plus ``agent_started`` (Unix seconds) and ``requested_since`` (``now - since``):
+    the document's ``since`` never lies before the agent started (nothing was observed then),
     unless a kept request ended earlier (a late OTLP span), and then not before it.
     ``engines`` also lists the engines ``known_engines`` returns (those scraped, with or
     without requests). A bad parameter is answered 400 with ``{"error": ...}``.
@@ -139,7 +155,7 @@ def attribution_routes(
         started: the agent's start, Unix seconds (``AgentState.started``).
         min_score: ``attribution.min_score``.
         known_engines: engine labels known beyond the store's (e.g. from
-            ``kvpressure_engine_up``).
+            ``kvpressure_engine_up``); called on the event loop.
     """
     from agent.attribution.explain import parse_since
 
@@ -150,23 +166,32 @@ def attribution_routes(
             limit = int(q.get("limit", "100"))
         except ValueError as exc:
             return web.json_response({"error": str(exc)}, status=400)
+        if not 0 <= limit <= MAX_ATTRIBUTIONS_LIMIT:
+            error = f"limit must be between 0 and {MAX_ATTRIBUTIONS_LIMIT}"
+            return web.json_response({"error": error}, status=400)
         now = time.time()
         requested = now - since_s
-        floor = started
-        if started is not None and (oldest := store.oldest()) is not None:
-            floor = min(started, oldest)
-        doc = store.query(
-            requested if floor is None else max(requested, floor),
-            now,
-            engine=q.get("engine") or None,
-            limit=limit,
-            window_s=window_s,
-            min_score=min_score,
-        )
-        doc["requested_since"] = requested
-        doc["agent_started"] = started
-        if known_engines is not None:
-            doc["engines"] = sorted(set(doc["engines"]) | set(known_engines()))
-        return web.json_response(doc)
+        engine = q.get("engine") or None
+        known = set(known_engines()) if known_engines is not None else None
+
+        def build() -> str:
+            floor = started
+            if started is not None and (oldest := store.oldest()) is not None:
+                floor = min(started, oldest)
+            doc = store.query(
+                requested if floor is None else max(requested, floor),
+                now,
+                engine=engine,
+                limit=limit,
+                window_s=window_s,
+                min_score=min_score,
+            )
+            doc["requested_since"] = requested
+            doc["agent_started"] = started
+            if known is not None:
+                doc["engines"] = sorted(set(doc["engines"]) | known)
+            return json.dumps(doc)
+
+        return web.Response(text=await asyncio.to_thread(build), content_type="application/json")
 
     return [web.get("/api/v1/attributions", attributions)]

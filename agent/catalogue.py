@@ -108,7 +108,16 @@ _ALL: tuple[Metric, ...] = (
         "kvpressure_timeline_dropped_samples_total",
         "counter",
         "1",
-        "Samples dropped because the timeline's series cap was reached.",
+        "Samples of new series dropped because the timeline's series cap was reached and no "
+        "series had gone unwritten long enough to give its place.",
+    ),
+    _m(
+        "kvpressure_timeline_evicted_series_total",
+        "counter",
+        "1",
+        "Series forgotten by the timeline, by reason (stale = not written for 15 min, cap = "
+        "gave its place to a new series at the cap).",
+        ("reason",),
     ),
     _m(
         "kvpressure_exporter_unknown_samples_total",
@@ -1176,7 +1185,8 @@ _ALL: tuple[Metric, ...] = (
         "counter",
         "1",
         "OTLP/HTTP trace exports received at /v1/traces by result (ok, partial, bad_request, "
-        "too_large, unsupported_media_type).",
+        "too_large, unsupported_media_type, busy = 503 while the decode slots are full, "
+        "read_timeout = 408 for a body that did not arrive within 10 s).",
         ("result",),
         "",
         "requests",

@@ -18,23 +18,50 @@ from collections.abc import Sequence
 from typing import Any
 
 from agent import __version__, logs
-from agent.config import Config, ConfigError, default_text, load, load_default
+from agent.config import (
+    Config,
+    ConfigError,
+    default_text,
+    load,
+    load_default,
+    with_overrides,
+)
 
 log = logging.getLogger("agent")
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
+    # Command-line settings win over the file's, at start and at every reload (SIGHUP).
+    overrides = {
+        k: v
+        for k, v in (
+            ("listen", args.listen),
+            ("log_level", args.log_level),
+            ("web_config_file", args.web_config_file),
+        )
+        if v
+    }
     try:
-        cfg: Config = load(args.config) if args.config else load_default()
+        cfg: Config = (
+            load(args.config, overrides)
+            if args.config
+            else with_overrides(load_default(), overrides, "<command line>")
+        )
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return 1
-    if args.listen:
-        cfg = cfg.model_copy(update={"listen": args.listen})
-    logs.setup(args.log_level or cfg.log_level)
+    logs.setup(cfg.log_level)
     from agent.daemon import Daemon
+    from agent.listener import raise_fd_limit
 
-    daemon = Daemon(cfg, args.config)
+    soft, hard = raise_fd_limit()
+    log.debug("open files limit", extra={"kv": {"soft": soft, "hard": hard}})
+
+    try:
+        daemon = Daemon(cfg, args.config, overrides=overrides)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 1
     log.info(
         "kvpressure starting",
         extra={"kv": {"version": __version__, "config": args.config or "<embedded default>"}},
@@ -52,6 +79,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
 def _cmd_check_config(args: argparse.Namespace) -> int:
     try:
         cfg = load(args.file)
+        if cfg.web_config_file:
+            from agent.webconfig import load_web_config
+
+            load_web_config(cfg.web_config_file)
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return 1
@@ -254,16 +285,29 @@ def _cmd_explain(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"kvpressure explain: --since: {exc}", file=sys.stderr)
         return 2
-    params = {"since": f"{since_s:g}", "limit": "5000" if args.html else "200"}
+    from agent.api import MAX_ATTRIBUTIONS_LIMIT
+
+    limit = MAX_ATTRIBUTIONS_LIMIT if args.html else 200
+    params = {"since": f"{since_s:g}", "limit": str(limit)}
     if args.engine:
         params["engine"] = args.engine
     url = args.url.rstrip("/") + "/api/v1/attributions"
     try:
         resp = httpx.get(url, params=params, timeout=args.timeout)
-        resp.raise_for_status()
-        doc = resp.json()
-    except (httpx.HTTPError, ValueError) as exc:
+    except httpx.HTTPError as exc:
         print(f"kvpressure explain: no agent answering at {args.url} ({exc})", file=sys.stderr)
+        return 1
+    try:
+        doc = resp.json()
+    except ValueError:
+        doc = None
+    if resp.status_code != 200 or not isinstance(doc, dict):
+        why = doc.get("error") if isinstance(doc, dict) else None
+        print(
+            f"kvpressure explain: the agent at {args.url} answered HTTP {resp.status_code}"
+            + (f": {why}" if why else " without a JSON document"),
+            file=sys.stderr,
+        )
         return 1
     known = doc.get("engines") if isinstance(doc, dict) else None
     if args.engine and isinstance(known, list) and args.engine not in known:
@@ -315,6 +359,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--config", "-c", help="YAML config file")
     run.add_argument("--listen", help="override the listen address (host:port)")
     run.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    run.add_argument(
+        "--web.config.file",
+        dest="web_config_file",
+        help="Prometheus exporter web-config file: TLS and basic auth of the listener",
+    )
     run.set_defaults(func=_cmd_run)
 
     chk = sub.add_parser("check-config", help="validate a config file (exit 1 when invalid)")

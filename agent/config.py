@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
+import os
 import re
+import stat
+from collections.abc import Mapping
 from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any, Final, Literal
@@ -29,6 +32,9 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+
+MAX_CONFIG_BYTES: Final = 1024 * 1024
+"""A config file larger than this (1 MiB; the shipped one is ~1.5 KiB) is refused unread."""
 
 ENGINE_TYPES = ("auto", "vllm", "sglang", "llamacpp", "tgi", "trtllm", "triton", "lmcache", "kvbm")
 EngineType = Literal[
@@ -379,6 +385,8 @@ class Config(_Model):
     """The whole agent configuration (see ``agent/default.yaml`` for the defaults)."""
 
     listen: str = "127.0.0.1:9470"
+    max_connections: int = Field(default=1000, ge=1, le=100_000)
+    web_config_file: str | None = None
     interval_s: Seconds = Field(default=1.0, ge=0.1, le=3600)
     procfs_root: str = "/proc"
     sysfs_root: str = "/sys"
@@ -504,6 +512,10 @@ def parse(text: str, source: str = "<string>") -> Config:
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "(unknown line)"
         problem = getattr(exc, "problem", None) or str(exc)
         raise ConfigError(f"{source}: {where}: invalid YAML: {problem}") from None
+    except RecursionError:
+        raise ConfigError(f"{source}: (top level): invalid YAML: nested too deeply") from None
+    except ValueError as exc:  # e.g. an integer beyond Python's 4,300-digit limit
+        raise ConfigError(f"{source}: (top level): invalid YAML: {str(exc)[:120]}") from None
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -513,19 +525,98 @@ def parse(text: str, source: str = "<string>") -> Config:
     except ValidationError as exc:
         lines = [f"{source}: {_loc(e['loc'])}: {_expected(e)}" for e in exc.errors()]
         raise ConfigError("\n".join(lines)) from None
+    except RecursionError:
+        raise ConfigError(f"{source}: (top level): nested too deeply") from None
 
 
-def load(path: str | Path) -> Config:
-    """Read and validate the configuration file at ``path``.
+def read_text(path: str | Path, max_bytes: int = MAX_CONFIG_BYTES) -> str:
+    """Read a config file's text, refusing anything that is not a small regular file.
+
+    The file is opened non-blocking (a FIFO does not wait for a writer) and checked with
+    ``fstat`` before any read, so a FIFO, a device (``/dev/zero``), a socket or a directory
+    is refused at once; at most ``max_bytes + 1`` bytes are ever read.
+
+    Args:
+        path: the file.
+        max_bytes: the largest file accepted, in bytes.
+
+    Returns:
+        The file's text (UTF-8).
 
     Raises:
-        ConfigError: the file is unreadable or invalid (see :func:`parse`).
+        ConfigError: one line: the file cannot be opened, is not a regular file, is larger
+            than ``max_bytes``, or is not UTF-8.
     """
     try:
-        text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{path}: cannot read: {exc}") from None
-    return parse(text, str(path))
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise ConfigError(f"{path}: cannot read: not a regular file ({_file_kind(mode)})")
+        chunks: list[bytes] = []
+        size = 0
+        while size <= max_bytes:
+            chunk = os.read(fd, max_bytes + 1 - size)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        data = b"".join(chunks)
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    finally:
+        os.close(fd)
+    if len(data) > max_bytes:
+        raise ConfigError(f"{path}: cannot read: larger than {max_bytes} bytes")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: cannot read: not UTF-8 (byte {exc.start})") from None
+
+
+def _file_kind(mode: int) -> str:
+    kinds = (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    )
+    return next((name for test, name in kinds if test(mode)), "not a file")
+
+
+def load(path: str | Path, overrides: Mapping[str, Any] | None = None) -> Config:
+    """Read and validate the configuration file at ``path``.
+
+    Args:
+        path: the YAML file (read with :func:`read_text`: a regular file of at most
+            :data:`MAX_CONFIG_BYTES`).
+        overrides: top-level settings that replace the file's (the command line's
+            ``--listen`` and ``--log-level``), validated with the rest.
+
+    Raises:
+        ConfigError: the file is unreadable or invalid (see :func:`read_text` and
+            :func:`parse`).
+    """
+    cfg = parse(read_text(path), str(path))
+    return with_overrides(cfg, overrides, str(path)) if overrides else cfg
+
+
+def with_overrides(cfg: Config, overrides: Mapping[str, Any], source: str = "<string>") -> Config:
+    """Return ``cfg`` with top-level settings replaced by ``overrides``, validated again.
+
+    Raises:
+        ConfigError: an override is invalid (the message names it).
+    """
+    data = cfg.model_dump()
+    data.update(overrides)
+    try:
+        return Config.model_validate(data)
+    except ValidationError as exc:
+        lines = [f"{source}: {_loc(e['loc'])}: {_expected(e)}" for e in exc.errors()]
+        raise ConfigError("\n".join(lines)) from None
 
 
 def default_text() -> str:

@@ -19,10 +19,10 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import psutil
@@ -32,6 +32,13 @@ from agent import logs
 from agent.api import attribution_routes, make_app
 from agent.attribution.store import AttributionStore
 from agent.config import Config, ConfigError, EngineConfig, load
+from agent.listener import (
+    IDLE_TIMEOUT_S,
+    BoundedSite,
+    ConnectionCap,
+    ServerLog,
+    install_accept_error_handler,
+)
 from agent.requests.metrics import RequestMetrics
 from agent.requests.otlp_receiver import OtlpReceiver
 from agent.requests.proxy import RequestProxy
@@ -41,6 +48,7 @@ from agent.samples import Batch
 from agent.sdnotify import Notifier
 from agent.state import AgentState, SamplerReport
 from agent.timeline import Timeline
+from agent.webconfig import WebSecurity, load_web_config
 from exporters.prometheus import make_registry
 
 if TYPE_CHECKING:
@@ -171,6 +179,11 @@ class Daemon:
             tests, defaults to :func:`agent.samplers.engines.probe`.
         extra_samplers: samplers to run besides those the config asks for (embedding,
             tests); they are kept across reloads.
+        overrides: top-level settings given on the command line (``listen``,
+            ``log_level``); they replace the file's at every reload too.
+
+    Raises:
+        ConfigError: ``web_config_file`` is set and cannot be loaded.
     """
 
     def __init__(
@@ -179,8 +192,16 @@ class Daemon:
         config_path: str | Path | None = None,
         probe: Callable[[str], str | None] | None = None,
         extra_samplers: Sequence[Sampler] = (),
+        overrides: Mapping[str, Any] | None = None,
     ) -> None:
         self.config = config
+        # TLS and basic auth of the listener, read once at start (agent.webconfig).
+        self.web: WebSecurity | None = (
+            load_web_config(config.web_config_file) if config.web_config_file else None
+        )
+        self._overrides = dict(overrides or {})
+        self._reload_lock = asyncio.Lock()
+        self._reloads: set[asyncio.Task[bool]] = set()
         self.config_path = Path(config_path) if config_path else None
         self.state = AgentState(
             Timeline(config.timeline.points_per_series, config.timeline.max_series)
@@ -193,6 +214,8 @@ class Daemon:
         self._stopping: asyncio.Event | None = None
         self._site_runner: web.AppRunner | None = None
         self._listen: str | None = None
+        self._listen_addr: tuple[str, int] | None = None
+        self.api_cap: ConnectionCap | None = None
         self.bound_port: int | None = None
         self.notifier = Notifier()
         # Per-request data: one stream, fed by the OTLP receiver and the proxies, read by
@@ -447,30 +470,106 @@ class Daemon:
 
     # ---- reload --------------------------------------------------------------------
     def reload(self) -> bool:
-        """Re-read the config file; apply it if valid. Returns True when applied."""
+        """Re-read the config file and apply it if valid, on the calling thread.
+
+        For embedding and tests; SIGHUP uses :meth:`reload_async`, which reads the file off
+        the event loop and also moves the listener and the proxies.
+
+        Returns:
+            True when the new config was applied; False when there is no file or it was
+            rejected (counted ``kvpressure_config_reloads_total{result="invalid"}``, one
+            error line logged; the last good config keeps running).
+        """
+        new = self._read_config()
+        if new is None:
+            return False
+        self._adopt(new)
+        return True
+
+    async def reload_async(self) -> bool:
+        """Reload as SIGHUP does: read off the loop, apply, move the listener and proxies.
+
+        Reloads run one after another, in the order they came. Whatever happens, systemd
+        gets ``READY=1`` at the end (it was told ``RELOADING=1`` when the signal came), so
+        the unit never stays "reloading". A listen address that cannot be bound is logged
+        and the agent keeps its current listener; the next reload tries again.
+
+        Returns:
+            True when the new config was applied.
+        """
+        async with self._reload_lock:
+            adopted = False
+            try:
+                new = await asyncio.to_thread(self._read_config)
+                if new is None:
+                    return False
+                self._adopt(new)
+                adopted = True
+                if (new.listen_host, new.listen_port) != self._listen_addr:
+                    await self._rebind(new.listen_host, new.listen_port)
+                await self._apply_proxies(new)
+                return True
+            except Exception as exc:  # noqa: BLE001 - a reload must never kill the agent
+                if adopted:  # counted ok already: the config is in force, a listener is not
+                    log.error(
+                        "config reload applied, but moving the listeners failed",
+                        extra={"kv": {"error": f"{type(exc).__name__}: {exc}"[:500]}},
+                    )
+                else:
+                    self._reject(exc, "config reload failed while applying")
+                return False
+            finally:
+                self.notifier.ready(self._status_line())
+
+    def _read_config(self) -> Config | None:
+        """Load the file with the command-line overrides; ``None`` (counted, logged) if bad."""
         if self.config_path is None:
             log.info("SIGHUP: running on the embedded default; nothing to reload")
-            return False
+            return None
         try:
-            new = load(self.config_path)
-        except ConfigError as exc:
-            self.state.count_reload("invalid")
-            log.error(
-                "config reload rejected; keeping the last good config",
-                extra={"kv": {"error": str(exc)}},
-            )
-            return False
+            return load(self.config_path, self._overrides)
+        except Exception as exc:  # noqa: BLE001 - ConfigError, or whatever a file provokes
+            self._reject(exc, "config reload rejected; keeping the last good config")
+            return None
+
+    def _reject(self, exc: Exception, message: str) -> None:
+        self.state.count_reload("invalid")
+        error = str(exc) if isinstance(exc, ConfigError) else f"{type(exc).__name__}: {exc}"
+        log.error(message, extra={"kv": {"error": error[:500]}})
+
+    def _adopt(self, new: Config) -> None:
         old = self.config
         self.config = new
+        if new.web_config_file != old.web_config_file:
+            log.warning(
+                "web_config_file changed; TLS and basic auth change at the next start",
+                extra={"kv": {"web_config_file": new.web_config_file or ""}},
+            )
         if new.discovery != old.discovery or not new.discovery.enabled:
             self._discovered.clear()
         logs.set_level(new.log_level)
+        if self.api_cap is not None:
+            self.api_cap.max_connections = new.max_connections
         self._apply(new)
         otlp = new.otlp_receiver
         self.otlp_receiver.configure(otlp.enabled, otlp.max_body_bytes, otlp.service_engines)
         self.state.count_reload("ok")
         log.info("config reloaded", extra={"kv": {"path": str(self.config_path)}})
-        return True
+
+    async def _rebind(self, host: str, port: int) -> None:
+        try:
+            await self._serve(host, port)
+        except OSError as exc:
+            log.error(
+                "cannot listen on the reloaded address; still listening on the old one",
+                extra={
+                    "kv": {
+                        "address": f"{host}:{port}",
+                        "listening": self._listen,
+                        "error": f"{type(exc).__name__}: {exc}",
+                    }
+                },
+            )
 
     # ---- HTTP ----------------------------------------------------------------------
     def _engine_labels(self) -> set[str]:
@@ -481,6 +580,11 @@ class Daemon:
         }  # fmt: skip
 
     async def _serve(self, listen_host: str, listen_port: int) -> None:
+        """Serve the agent's HTTP API on ``listen_host:listen_port``, then close the old one.
+
+        Raises:
+            OSError: the address cannot be bound; the current listener (if any) stays.
+        """
         routes = [
             *self.otlp_receiver.routes(),
             *attribution_routes(
@@ -491,16 +595,32 @@ class Daemon:
                 known_engines=self._engine_labels,
             ),
         ]
-        app = make_app(self.state, self._registry, routes)
-        runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=0.5)
+        cap = ConnectionCap(f"api {listen_host}:{listen_port}", self.config.max_connections)
+        middlewares = [cap.middleware]
+        if self.web is not None and self.web.auth_required:
+            middlewares.append(self.web.middleware)
+        app = make_app(self.state, self._registry, routes, middlewares=middlewares)
+        runner = web.AppRunner(
+            app,
+            access_log=None,
+            handle_signals=False,
+            shutdown_timeout=0.5,
+            keepalive_timeout=IDLE_TIMEOUT_S,
+            logger=ServerLog(cap.name),
+        )
         await runner.setup()
-        site = web.TCPSite(runner, listen_host, listen_port, reuse_address=True)
-        await site.start()
+        ssl_context = self.web.ssl_context if self.web is not None else None
+        site = BoundedSite(runner, listen_host, listen_port, cap, ssl_context)
+        try:
+            await site.start()
+        except BaseException:
+            await runner.cleanup()
+            raise
         old, self._site_runner = self._site_runner, runner
+        self.api_cap = cap
         self._listen = f"{listen_host}:{listen_port}"
-        server = site._server
-        sockets = getattr(server, "sockets", None) or []
-        self.bound_port = sockets[0].getsockname()[1] if sockets else listen_port
+        self._listen_addr = (listen_host, listen_port)
+        self.bound_port = site.port
         log.info("listening", extra={"kv": {"address": f"{listen_host}:{self.bound_port}"}})
         if old is not None:
             await old.cleanup()
@@ -516,6 +636,7 @@ class Daemon:
             OSError: the listen address cannot be bound.
         """
         loop = asyncio.get_running_loop()
+        install_accept_error_handler(loop)
         self._stopping = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError, RuntimeError):
@@ -548,16 +669,10 @@ class Daemon:
             await self._shutdown()
 
     def _on_hup(self) -> None:
-        listen = self.config.listen
         self.notifier.reloading()
-        reloaded = self.reload()
-        if reloaded and self.config.listen != listen:
-            asyncio.get_running_loop().create_task(
-                self._serve(self.config.listen_host, self.config.listen_port)
-            )
-        if reloaded:
-            asyncio.get_running_loop().create_task(self._apply_proxies(self.config))
-        self.notifier.ready(self._status_line())
+        task = asyncio.get_running_loop().create_task(self.reload_async())
+        self._reloads.add(task)
+        task.add_done_callback(self._reloads.discard)
 
     def _status_line(self) -> str:
         reports = self.state.reports()
@@ -615,6 +730,7 @@ class Daemon:
             for listen, p in wanted.items():
                 kept = self.proxies.get(listen)
                 if kept is not None:
+                    kept.cap.max_connections = cfg.max_connections
                     spec = (p.listen, p.upstream, p.engine, p.connect_timeout_s, p.preconnect)
                     if spec != kept.spec:
                         await kept.reconfigure(
@@ -628,6 +744,7 @@ class Daemon:
                     self.request_stream,
                     p.connect_timeout_s,
                     preconnect=p.preconnect,
+                    max_client_connections=cfg.max_connections,
                 )
                 try:
                     await proxy.start()

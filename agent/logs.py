@@ -12,7 +12,11 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
 
 
 def _quote(value: object) -> str:
@@ -58,3 +62,67 @@ def setup(level: str = "info") -> None:
 def set_level(level: str) -> None:
     """Change the root log level (used on SIGHUP reload)."""
     logging.getLogger().setLevel(level.upper())
+
+
+class RateLimitedLog:
+    """Log one line per key and period, with how many times the event happened since.
+
+    The first event of a key is logged at once; later ones within ``period_s`` are only
+    counted, and the next event after the period logs one line carrying that count
+    (``count`` in the line's fields). Thread-safe. At most ``max_keys`` keys are
+    remembered (the least recently logged is forgotten first), so the memory is bounded
+    whatever the keys.
+
+    Args:
+        logger: where the lines go.
+        period_s: seconds between two lines of the same key.
+        max_keys: keys remembered at most.
+        clock: monotonic seconds (tests inject one).
+    """
+
+    def __init__(
+        self,
+        logger: logging.Logger,
+        period_s: float = 60.0,
+        max_keys: int = 1024,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._logger = logger
+        self._period_s = period_s
+        self._max_keys = max_keys
+        self._clock = clock
+        self._last: dict[str, float] = {}
+        self._pending: Counter[str] = Counter()
+        self._lock = threading.Lock()
+
+    def __call__(
+        self, key: str, level: int, msg: str, *args: object, kv: dict[str, Any] | None = None
+    ) -> bool:
+        """Count one event of ``key``; log ``msg % args`` if its period has passed.
+
+        Args:
+            key: what is rate-limited together (e.g. ``"accept:127.0.0.1:9470"``).
+            level: the logging level.
+            msg: the message (``%`` format with ``args``).
+            *args: ``%`` arguments of ``msg``.
+            kv: structured fields for the logfmt line; ``count`` (events since the last
+                line of this key, this one included) is added.
+
+        Returns:
+            True when a line was logged now.
+        """
+        with self._lock:
+            now = self._clock()
+            self._pending[key] += 1
+            last = self._last.get(key)
+            if last is not None and now - last < self._period_s:
+                return False
+            count = self._pending.pop(key)
+            self._last.pop(key, None)
+            self._last[key] = now
+            while len(self._last) > self._max_keys:
+                oldest = next(iter(self._last))
+                del self._last[oldest]
+                self._pending.pop(oldest, None)
+        self._logger.log(level, msg, *args, extra={"kv": {**(kv or {}), "count": count}})
+        return True

@@ -143,6 +143,15 @@ class AgentState:
         yield Sample(
             "kvpressure_timeline_dropped_samples_total", float(self.timeline.dropped_samples)
         )
+        for reason, n in (
+            ("cap", self.timeline.evicted_series),
+            ("stale", self.timeline.forgotten_series),
+        ):
+            yield Sample(
+                "kvpressure_timeline_evicted_series_total",
+                float(n),
+                make_labels({"reason": reason}),
+            )
         yield Sample("kvpressure_exporter_unknown_samples_total", float(unknown))
 
 

@@ -2,13 +2,21 @@
 
 The daemon appends every sampler batch here; attribution and the capacity planner read
 windows back (``window``) to see what each resource did over a request's lifetime. Memory
-is bounded twice: each series keeps at most ``points_per_series`` points (oldest dropped
-first), and at most ``max_series`` series exist; samples for new series beyond the cap are
-dropped and counted in :attr:`Timeline.dropped_samples`.
+is bounded three ways:
 
-Points are stored in two fixed-size ``array('d')`` buffers per series (16 bytes a point), so
-10,000 series x 1,024 points costs about 160 MiB at worst and a typical single-engine host
-(about 200 series) about 3 MiB.
+* each series keeps at most ``points_per_series`` points (oldest dropped first), in two
+  ``array('d')`` buffers that grow as points arrive (16 bytes a point), so a series that
+  was written once costs a few hundred bytes, not 16 KiB;
+* a series not written for ``forget_after_s`` (default 15 min: longer than any window read
+  back) is forgotten (a vanished PID, engine or model);
+* at most ``max_series`` series exist. At the cap a new series takes the place of the series
+  written least recently, if that one has not been written for ``evict_after_s`` (it is a
+  label value that went away, e.g. a churning ``model``); otherwise the new series' sample
+  is dropped and counted in :attr:`Timeline.dropped_samples`. So a label that changes every
+  scrape keeps memory bounded without blinding the agent to new engines, models or PIDs.
+
+A full series costs 16 KiB (1,024 points); 20,000 full series about 320 MiB at worst, a
+typical single-engine host (about 200 series) about 3 MiB.
 """
 
 from __future__ import annotations
@@ -24,7 +32,10 @@ SeriesKey = tuple[str, Labels]
 
 
 class Ring:
-    """A fixed-capacity ring of ``(timestamp, value)`` points, oldest overwritten first.
+    """A ring of at most ``capacity`` ``(timestamp, value)`` points, oldest overwritten first.
+
+    The buffers grow with the points (``array.append``) until ``capacity``; then the ring
+    overwrites its oldest point.
 
     Attributes:
         capacity: the most points kept.
@@ -34,19 +45,23 @@ class Ring:
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self._ts = array("d", bytes(8 * capacity))
-        self._vs = array("d", bytes(8 * capacity))
+        self._ts = array("d")
+        self._vs = array("d")
         self._next = 0
         self._n = 0
 
     def append(self, ts: float, value: float) -> None:
         """Add a point; ``ts`` is Unix time in seconds and should not go backwards."""
+        if self._n < self.capacity:
+            self._ts.append(ts)
+            self._vs.append(value)
+            self._n += 1
+            self._next = self._n % self.capacity
+            return
         i = self._next
         self._ts[i] = ts
         self._vs[i] = value
         self._next = (i + 1) % self.capacity
-        if self._n < self.capacity:
-            self._n += 1
 
     def __len__(self) -> int:
         return self._n
@@ -55,10 +70,11 @@ class Ring:
         self, start: float = float("-inf"), end: float = float("inf")
     ) -> list[tuple[float, float]]:
         """Return the points with ``start <= ts <= end``, oldest first."""
-        first = (self._next - self._n) % self.capacity
+        size = len(self._ts)
+        first = (self._next - self._n) % size if size else 0
         out: list[tuple[float, float]] = []
         for k in range(self._n):
-            i = (first + k) % self.capacity
+            i = (first + k) % size
             t = self._ts[i]
             if start <= t <= end:
                 out.append((t, self._vs[i]))
@@ -68,7 +84,7 @@ class Ring:
         """Return the newest point, or ``None`` when empty."""
         if self._n == 0:
             return None
-        i = (self._next - 1) % self.capacity
+        i = (self._next - 1) % len(self._ts)
         return self._ts[i], self._vs[i]
 
 
@@ -79,29 +95,78 @@ class Timeline:
 
     Args:
         points_per_series: ring capacity of each series.
-        max_series: the most series held; new series beyond it are dropped and counted.
+        max_series: the most series held (see the module doc for what happens at the cap).
+        forget_after_s: seconds after its last write that a series is forgotten.
+        evict_after_s: seconds without a write after which a series may give its place to
+            a new one when the cap is reached.
+
+    Attributes:
+        dropped_samples: samples of new series dropped at the cap, since start.
+        evicted_series: series forgotten to admit new ones at the cap, since start.
+        forgotten_series: series forgotten after ``forget_after_s``, since start.
     """
 
-    def __init__(self, points_per_series: int = 1024, max_series: int = 20000) -> None:
+    def __init__(
+        self,
+        points_per_series: int = 1024,
+        max_series: int = 20000,
+        forget_after_s: float = 900.0,
+        evict_after_s: float = 10.0,
+    ) -> None:
         self.points_per_series = points_per_series
         self.max_series = max_series
+        self.forget_after_s = forget_after_s
+        self.evict_after_s = evict_after_s
+        # Insertion order is the order of last writes: a write moves its series to the end,
+        # so the front holds the series written least recently.
         self._series: dict[SeriesKey, Ring] = {}
+        self._written: dict[SeriesKey, float] = {}
         self._lock = threading.Lock()
+        self._last_sweep = float("-inf")
         self.dropped_samples = 0
+        self.evicted_series = 0
+        self.forgotten_series = 0
 
     def append(self, ts: float, samples: Iterable[Sample]) -> None:
         """Record ``samples`` taken at Unix time ``ts`` (seconds)."""
         with self._lock:
+            if ts - self._last_sweep >= min(60.0, self.forget_after_s):
+                self._last_sweep = ts
+                self.forgotten_series += self._forget(ts - self.forget_after_s)
+            written = self._written
             for s in samples:
                 key = (s.name, s.labels)
                 ring = self._series.get(key)
                 if ring is None:
-                    if len(self._series) >= self.max_series:
+                    if len(self._series) >= self.max_series and not self._evict_one(ts):
                         self.dropped_samples += 1
                         continue
                     ring = Ring(self.points_per_series)
                     self._series[key] = ring
+                else:
+                    del written[key]  # re-inserted below: now the most recently written
+                written[key] = ts
                 ring.append(ts, s.value)
+
+    def _evict_one(self, now: float) -> bool:
+        oldest = next(iter(self._written), None)
+        if oldest is None or now - self._written[oldest] < self.evict_after_s:
+            return False
+        del self._written[oldest]
+        del self._series[oldest]
+        self.evicted_series += 1
+        return True
+
+    def _forget(self, older_than: float) -> int:
+        n = 0
+        written = self._written
+        for key in list(written):
+            if written[key] >= older_than:
+                break  # the rest were written later
+            del written[key]
+            del self._series[key]
+            n += 1
+        return n
 
     def __len__(self) -> int:
         with self._lock:
@@ -141,13 +206,14 @@ class Timeline:
         return out
 
     def forget(self, older_than: float) -> int:
-        """Drop series whose newest point is older than ``older_than`` (Unix seconds).
+        """Drop series last written before ``older_than`` (Unix seconds).
+
+        :meth:`append` does this by itself every minute with ``forget_after_s``.
 
         Returns:
             The number of series dropped (vanished label sets: dead PIDs, removed engines).
         """
         with self._lock:
-            stale = [k for k, r in self._series.items() if (r.last() or (0.0, 0.0))[0] < older_than]
-            for k in stale:
-                del self._series[k]
-        return len(stale)
+            n = self._forget(older_than)
+            self.forgotten_series += n
+            return n

@@ -563,7 +563,13 @@ class OtlpExport:
         batch.add("kvpressure_otlp_export_queue_spans", self.processor.queued())
 
     def shutdown(self, timeout_s: float = 1.0) -> None:
-        """Stop exporting; pending spans get one last flush attempt within ``timeout_s``."""
+        """Stop exporting; pending spans get one last flush attempt within ``timeout_s``.
+
+        Spans still queued when the time is up (the exporter is down or hanging) will
+        never be sent: they are counted in ``kvpressure_otlp_export_dropped_total`` and
+        logged in one line. A batch being exported at that moment is counted by the
+        exporter when its attempt ends, if the process lives that long.
+        """
         if self.metrics is not None:
             self.metrics.stop(timeout_s)
         done = threading.Event()
@@ -575,7 +581,15 @@ class OtlpExport:
                 done.set()
 
         threading.Thread(target=_close, name="otlp-shutdown", daemon=True).start()
-        done.wait(timeout_s)
+        if done.wait(timeout_s):
+            return
+        left = self.processor.queued()
+        if left:
+            self.stats.add_dropped("traces", left)
+            log.warning(
+                "OTLP export did not finish at stop; queued spans dropped",
+                extra={"kv": {"spans": left, "timeout_s": timeout_s}},
+            )
 
 
 class OtlpExportSampler(Sampler):

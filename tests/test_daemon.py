@@ -488,3 +488,180 @@ def test_reload_to_an_address_in_use_keeps_the_old_proxy(tmp_path, caplog):
         stop_upstream()
         busy.close()
     assert not t.is_alive()
+
+
+# --- reload hardening (issue 18, point 4) -------------------------------------------------------
+
+
+def _reloads(d, result):
+    values = {(s.name, s.labels): s.value for s in d.state.samples()}
+    return values.get(("kvpressure_config_reloads_total", (("result", result),)), 0)
+
+
+def _notice(sock):
+    """The next sd_notify message that is not a periodic STATUS= or WATCHDOG= line."""
+    while True:
+        msg = sock.recv(4096).decode()
+        if not msg.startswith(("STATUS=", "WATCHDOG=")):
+            return msg
+
+
+def _release_fifo(path):
+    """Open a FIFO for writing and close it, so a reader blocked on it (old code) gets EOF."""
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+    except OSError:
+        pass  # nobody is reading it
+
+
+def _make_bad(kind, p):
+    p.unlink()
+    if kind == "fifo":
+        os.mkfifo(p)
+    elif kind == "dev_zero":
+        p.symlink_to("/dev/zero")
+    elif kind == "deep":
+        p.write_text("listen: " + "[" * 100_000 + "\n")
+    elif kind == "too_large":
+        p.write_text("# " + "x" * (2 * 1024 * 1024) + "\n")
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev_zero", "deep", "too_large"])
+def test_reload_of_an_unreadable_file_is_a_counted_invalid_reload(tmp_path, caplog, kind):
+    """A FIFO, /dev/zero, deep nesting or a huge file: HTTP keeps answering, the reload is
+    counted invalid with one error line, systemd gets READY=1 again, and the next good
+    reload applies."""
+    sock_path = str(tmp_path / "notify.sock")
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(sock_path)
+    notify.settimeout(5)
+    p = tmp_path / "k.yaml"
+    p.write_text(f"listen: '127.0.0.1:0'\n{QUIET}log_level: info\n")
+    d = Daemon(parse(p.read_text(), str(p)), p)
+    from agent.sdnotify import Notifier
+
+    d.notifier = Notifier({"NOTIFY_SOCKET": sock_path})
+    loop, t = _run_daemon(d)
+    try:
+        assert "READY=1" in _notice(notify)
+        base = f"http://127.0.0.1:{d.bound_port}"
+        _make_bad(kind, p)
+        loop.call_soon_threadsafe(d._on_hup)
+        assert _notice(notify).startswith("RELOADING=1")
+        assert "READY=1" in _notice(notify)
+        assert httpx.get(base + "/healthz", timeout=2).status_code == 200
+        assert _reloads(d, "invalid") == 1
+        rejected = [r for r in caplog.records if "config reload" in r.getMessage()]
+        assert [r.levelname for r in rejected] == ["ERROR"]
+        p.unlink()
+        p.write_text(f"listen: '127.0.0.1:0'\n{QUIET}log_level: debug\n")
+        loop.call_soon_threadsafe(d._on_hup)
+        assert _notice(notify).startswith("RELOADING=1")
+        assert "READY=1" in _notice(notify)
+        assert d.config.log_level == "debug"
+        assert _reloads(d, "ok") == 1
+    finally:
+        if kind == "fifo" and p.is_fifo():
+            _release_fifo(p)
+        loop.call_soon_threadsafe(d.request_stop)
+        t.join(5)
+        notify.close()
+    assert not t.is_alive()
+
+
+def test_reload_to_a_busy_listen_address_keeps_the_old_listener(tmp_path, caplog):
+    """A reload whose ``listen`` cannot be bound: logged, the old listener keeps serving, no
+    task dies with an unretrieved exception; the next reload with a free address moves."""
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen(1)
+    p = tmp_path / "k.yaml"
+    p.write_text(f"listen: '127.0.0.1:0'\n{QUIET}")
+    d = Daemon(parse(p.read_text(), str(p)), p)
+    loop, t = _run_daemon(d)
+    unhandled = []
+    loop.call_soon_threadsafe(loop.set_exception_handler, lambda _l, ctx: unhandled.append(ctx))
+    old = d.bound_port
+    try:
+        p.write_text(f"listen: '127.0.0.1:{busy.getsockname()[1]}'\n{QUIET}")
+        future = asyncio.run_coroutine_threadsafe(d.reload_async(), loop)
+        assert future.result(5) is True
+        assert httpx.get(f"http://127.0.0.1:{old}/healthz", timeout=2).status_code == 200
+        assert "cannot listen on the reloaded address" in caplog.text
+        free = _free_port()
+        p.write_text(f"listen: '127.0.0.1:{free}'\n{QUIET}")
+        assert asyncio.run_coroutine_threadsafe(d.reload_async(), loop).result(5) is True
+        assert httpx.get(f"http://127.0.0.1:{free}/healthz", timeout=2).status_code == 200
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"http://127.0.0.1:{old}/healthz", timeout=2)
+    finally:
+        loop.call_soon_threadsafe(d.request_stop)
+        t.join(5)
+        busy.close()
+    assert not unhandled
+
+
+def test_command_line_listen_is_kept_across_sighup(tmp_path):
+    """``run --listen`` wins over the file's ``listen`` at start and after SIGHUP."""
+    cli_port, file_port = _free_port(), _free_port()
+    cfg = tmp_path / "k.yaml"
+    cfg.write_text(f"listen: '127.0.0.1:{file_port}'\n{QUIET}")
+    proc = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "agent.cli", "run", "--config", str(cfg)),
+            *("--listen", f"127.0.0.1:{cli_port}", "--log-level", "warning"),
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+    def healthy(port):
+        try:
+            return httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=0.5).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def reloads_ok():
+        text = httpx.get(f"http://127.0.0.1:{cli_port}/metrics", timeout=2).text
+        return 'kvpressure_config_reloads_total{result="ok"} 1.0' in text
+
+    try:
+        deadline = time.monotonic() + 10
+        while not healthy(cli_port):
+            assert time.monotonic() < deadline, "agent did not come up"
+            time.sleep(0.05)
+        cfg.write_text(f"listen: '127.0.0.1:{file_port}'\n{QUIET}log_level: debug\n")
+        proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 5
+        while not reloads_ok():
+            assert time.monotonic() < deadline, "the reload was not applied"
+            time.sleep(0.05)
+        assert healthy(cli_port)
+        assert not healthy(file_port)
+    finally:
+        proc.terminate()
+        proc.wait(5)
+    # --log-level warning is kept too: the reload's "config reloaded" INFO line is not logged
+    assert "config reloaded" not in proc.stderr.read()
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev_zero", "deep", "too_large"])
+def test_check_config_prints_one_line_for_an_unreadable_file(tmp_path, kind):
+    p = tmp_path / "k.yaml"
+    p.write_text("")
+    _make_bad(kind, p)
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "agent.cli", "check-config", str(p)],
+            capture_output=True,
+            text=True,
+            timeout=20,
+            check=False,
+        )
+    finally:
+        if kind == "fifo":
+            _release_fifo(p)
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"{p}: "), proc.stderr
+    assert "Traceback" not in proc.stderr

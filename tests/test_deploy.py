@@ -117,6 +117,9 @@ def test_unit_runs_unprivileged_with_nvidia_devices_only():
     assert {"AF_UNIX", "AF_INET", "AF_INET6"} <= set(families)  # sd_notify, HTTP
     assert "@system-service" in SERVICE["SystemCallFilter"]
     assert re.fullmatch(r"\d+[KMG]", one("MemoryMax"))
+    # Above the agent's own connection caps (1000 per listener plus a 128 accept burst):
+    # the systemd default soft limit of 1024 let idle connections exhaust it (issue 18).
+    assert int(one("LimitNOFILE")) >= 8192
     # These would hide what the agent reads: other users' /proc/<pid> (GPU process ->
     # engine join) and /proc/pressure, /proc/vmstat, /proc/meminfo, /proc/diskstats.
     assert "ProtectProc" not in SERVICE

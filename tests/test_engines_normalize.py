@@ -363,6 +363,30 @@ def test_models_are_capped_at_32_with_one_warning_per_change(
     assert "40 models" in warned[0] and "dropped 8" in warned[0]
 
 
+def test_churning_model_names_are_capped_with_one_warning_per_minute(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Churning model names (40 new ones every scrape, issue 18 point 7): the cap holds and
+    the warning is one line per reason and minute with a count, not one per name or scrape."""
+
+    def body(scrape: int) -> str:
+        return "".join(
+            f'vllm:num_requests_running{{model_name="s{scrape}-m{i:02d}"}} 1\n' for i in range(40)
+        )
+
+    with caplog.at_level(logging.INFO):
+        _, scrape = norm("vllm", *(body(k) for k in range(50)))
+    models = {dict(s.labels)["model"] for s in scrape.samples}
+    assert len(models) == 32
+    assert len(scrape.models) == 32
+    assert scrape.models_dropped == 8
+    capped = [r for r in caplog.records if "cap of 32" in r.getMessage()]
+    # 50 scrapes, 50 dropped sets: one warning (the count went 0 -> 8) and one info line (the
+    # first same-count change; the other 48 within the minute are counted, not logged)
+    assert [r.levelno for r in capped] == [logging.WARNING, logging.INFO]
+    assert capped[0].kv["count"] == 1  # type: ignore[attr-defined]
+
+
 def test_previously_admitted_models_keep_their_place() -> None:
     mapping = ENGINE_TYPES["vllm"]
     n = Normalizer(mapping, "e", "h:1", max_models=2)
@@ -446,3 +470,22 @@ def test_parse_props_of_the_capture() -> None:
     assert props.model == "gemma-3-270m-q4_k_m.gguf"
     assert (props.n_ctx, props.total_slots, props.endpoint_slots) == (512, 4, True)
     assert parse_props([]) is None
+
+
+def test_ratio_windows_and_log_once_keys_do_not_grow_with_a_churning_model() -> None:
+    """Issue 18, point 2: per-model state is forgotten once the model is gone."""
+    from agent.samplers.base import LogOnce
+
+    n = Normalizer(ENGINE_TYPES["vllm"], "e1", "h:1")
+    for k in range(500):  # a new model every scrape, one scrape a second
+        body = (
+            f'vllm:prefix_cache_queries_total{{model_name="m{k}"}} {100 + k}\n'
+            f'vllm:prefix_cache_hits_total{{model_name="m{k}"}} {50 + k}\n'
+        )
+        n.normalize(parse_exposition(body, None), now=1000.0 + k)
+    assert 0 < len(n._ratios) <= 61  # the models of the last ratio window (60 s)
+
+    once = LogOnce(logging.getLogger("t"), max_keys=100)
+    for k in range(1000):
+        once(f"k{k}", logging.DEBUG, "x")
+    assert len(once._seen) == 100

@@ -532,6 +532,23 @@ def test_case17_parse_errors_are_cumulative_and_logged_once(
     assert len(warnings) == 1
 
 
+def test_churning_malformed_lines_are_one_warning_per_minute(
+    stub: EngineStub, samplers: list[EngineSampler], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 18, point 7: an engine whose malformed lines carry a new name every scrape
+    logged one WARNING per scrape (11,169 in 4 minutes); now one per reason and minute."""
+    good = (VLLM / "metrics_load.txt").read_text()
+    s = sampler(samplers, stub.url)
+    with caplog.at_level(logging.WARNING):
+        for k in range(30):
+            stub.serve("/metrics", good + f'bad_metric_{k}{{model="x" 1\n')
+            batch = collect(s)
+            assert value(batch, "kvpressure_engine_up") == 1
+    assert value(batch, "kvpressure_engine_parse_errors_total") == 30
+    warned = [r for r in caplog.records if "unparsable line" in r.getMessage()]
+    assert len(warned) == 1, [r.getMessage() for r in warned]
+
+
 def test_case22_restart_over_http(stub: EngineStub, samplers: list[EngineSampler]) -> None:
     s = sampler(samplers, stub.url)
     stub.serve("/metrics", CASES / "22-counter-reset-after-restart.before.input.txt")
@@ -842,3 +859,105 @@ def test_issue17_triton_gpu_view_is_kept_as_the_engines_own(
     assert value(batch, "kvpressure_engine_gpu_memory_used_bytes", uuid=uuid) == 9.2e10
     assert value(batch, "kvpressure_engine_gpu_memory_total_bytes", uuid=uuid) == 1.5e11
     assert_catalogued(batch)
+
+
+# --- one wall-clock deadline per fetch (issue 18, point 3) ---------------------------------------
+
+
+class DripServer:
+    """A real HTTP server on 127.0.0.1 that answers one byte per second, forever.
+
+    ``headers=True`` drips the status line and headers; ``False`` sends the headers at once
+    and drips the body. Every read the client makes returns within a second, so only a
+    deadline on the whole fetch ends it.
+    """
+
+    def __init__(self, headers: bool) -> None:
+        self._headers = headers
+        self._sock = socket.create_server(("127.0.0.1", 0))
+        self._stop = threading.Event()
+        self.accepted = 0
+        self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            self.accepted += 1
+            threading.Thread(target=self._drip, args=(conn,), daemon=True).start()
+
+    def _drip(self, conn: socket.socket) -> None:
+        head = b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 100000\r\n\r\n"
+        with conn:
+            try:
+                conn.recv(65536)
+                if not self._headers:
+                    conn.sendall(head)
+                data = head if self._headers else b"# " + b"x" * 99998
+                for byte in data:
+                    if self._stop.wait(1.0):
+                        return
+                    conn.sendall(bytes([byte]))
+            except OSError:
+                return  # the client cut the connection
+
+    def close(self) -> None:
+        self._stop.set()
+        self._sock.close()
+
+
+@pytest.mark.parametrize("where", ["headers", "body"])
+def test_dripping_engine_is_down_with_reason_timeout_at_the_deadline(
+    samplers: list[EngineSampler], where: str
+) -> None:
+    drip = DripServer(headers=where == "headers")
+    try:
+        s = sampler(samplers, drip.url, engine_type="vllm", timeout_s=2.0)
+        done: list[Batch] = []
+        worker = threading.Thread(target=lambda: done.append(collect(s)), daemon=True)
+        started = time.monotonic()
+        worker.start()
+        # The budget is 90 % of timeout_s (1.8 s); every read returns within 1 s, so a
+        # per-read timeout never fires and the old code read on for 100,000 s.
+        worker.join(6.0)
+        assert done, "collect() is still reading the dripping engine"
+        took = time.monotonic() - started
+        batch = done[0]
+        assert value(batch, "kvpressure_engine_up") == 0
+        assert sources(batch) == {"metrics": ("error", "timeout")}
+        assert_no_kv_or_queue(batch)
+        assert 1.5 < took < 4.0, took
+    finally:
+        drip.close()
+
+
+def test_dripping_engine_does_not_delay_the_next_cycle(samplers: list[EngineSampler]) -> None:
+    """Run by the daemon's SamplerRunner: every cycle reports ``engine_up 0`` on schedule."""
+    from agent.daemon import SamplerRunner
+    from agent.state import AgentState
+    from agent.timeline import Timeline
+
+    drip = DripServer(headers=False)
+    state = AgentState(Timeline())
+    # A 1.8 s budget per fetch inside a 2 s cycle; every drip read returns within 1 s.
+    s = EngineSampler("e1", drip.url, engine_type="vllm", interval_s=2.0, timeout_s=2.0)
+    samplers.append(s)
+    runner = SamplerRunner(s, state, spec=None)
+    try:
+        runner.start()
+        deadline = time.monotonic() + 8.0
+        while drip.accepted < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        # One fetch per 2 s cycle: three fetches (three connections) by ~4 s, not one.
+        assert drip.accepted >= 3
+        report = next(r for r in state.reports() if r.sampler == "engine:e1")
+        assert report.ok
+        assert report.batch is not None
+        assert value(report.batch, "kvpressure_engine_up") == 0
+        assert sources(report.batch) == {"metrics": ("error", "timeout")}
+    finally:
+        runner.stop()
+        drip.close()

@@ -5,6 +5,7 @@ sampling never blocked)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gzip
 import json
 import socket
@@ -401,3 +402,38 @@ def test_daemon_exports_attribution_spans_and_metrics_when_an_endpoint_is_set():
         finally:
             loop.call_soon_threadsafe(d.request_stop)
             time.sleep(0.5)
+
+
+def test_spans_queued_for_a_hanging_exporter_at_stop_are_counted_as_dropped():
+    """Issue 18, point 7: the collector accepts connections and never answers; at stop the
+    spans still queued are neither sent nor lost silently."""
+    pytest.importorskip("opentelemetry.exporter.otlp.proto.http")
+    hang = socket.create_server(("127.0.0.1", 0))
+    held: list[socket.socket] = []
+
+    def accept() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                held.append(hang.accept()[0])  # never answered
+
+    threading.Thread(target=accept, daemon=True).start()
+    exp = OtlpExport(AgentState(Timeline()), endpoint=f"http://127.0.0.1:{hang.getsockname()[1]}",
+                     queue_size=64, timeout_s=5.0, schedule_delay_s=0.05)  # fmt: skip
+    try:
+        exp.emit(attribution(TRACE, SPAN))
+        deadline = time.monotonic() + 3
+        while not held and time.monotonic() < deadline:  # the first batch is stuck in flight
+            time.sleep(0.02)
+        assert held
+        for _ in range(10):
+            exp.emit(attribution(TRACE, SPAN))
+        queued = exp.processor.queued()
+        assert queued == 10
+        exp.shutdown(timeout_s=0.3)
+        exported, dropped = exp.stats.snapshot()
+        assert exported["traces"] == 0
+        assert dropped["traces"] >= queued
+    finally:
+        hang.close()
+        for c in held:
+            c.close()

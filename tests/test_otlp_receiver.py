@@ -12,7 +12,9 @@ import base64
 import gzip
 import json
 import logging
+import socket
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -336,6 +338,33 @@ def test_garbage_is_400_with_one_line_and_counted(
     assert ok.status_code == 200
 
 
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"resourceSpans": [{"scopeSpans": [{"spans": [{"startTimeUnixNano": "%s"}]}]}]}',
+        b'{"resourceSpans": [{"resource": {"attributes": [{"key": "k", "value": '
+        b'{"intValue": "%s"}}]}}]}',
+        b'{"resourceSpans": "%s"}',
+        b'{"resourceSpans": [%s]}',
+    ],
+)
+def test_decode_errors_do_not_echo_client_data(
+    agent: Agent, body: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 18, point 7: the 400's message names the field, never the client's value."""
+    secret = "CLIENT-SECRET-" + "q" * 300
+    with caplog.at_level(logging.DEBUG):
+        r = httpx.post(
+            agent.url, content=body % secret.encode(), headers={"Content-Type": "application/json"}
+        )
+    assert r.status_code == 400
+    message = r.json()["message"]
+    assert message.startswith(("invalid OTLP JSON: bad value at ", "invalid JSON body: "))
+    assert len(message) <= 200
+    assert "CLIENT-SECRET" not in r.text
+    assert "CLIENT-SECRET" not in caplog.text
+
+
 def test_unsupported_content_type_and_encoding_are_415(agent: Agent) -> None:
     r = httpx.post(agent.url, content=b"x", headers={"Content-Type": "text/plain"})
     assert r.status_code == 415
@@ -621,3 +650,88 @@ def test_issue17_a_phase_longer_than_the_request_is_dropped_alone(
     c = counters(agent.receiver)
     assert c[("kvpressure_otlp_span_attributes_dropped_total", "gen_ai.latency.e2e")] == 1
     assert c[("kvpressure_otlp_span_attributes_dropped_total", "gen_ai.latency.time_in_queue")] == 1
+
+
+# --- bounded work per client (issue 18, point 6) ------------------------------------------------
+
+
+def test_spans_per_export_and_attributes_per_span_are_capped(stream: RequestStream) -> None:
+    from agent.requests.otlp_receiver import MAX_ATTRIBUTES_PER_SPAN, MAX_SPANS_PER_EXPORT
+
+    receiver = OtlpReceiver(stream)
+    plain = [Span(name="db.query", start_time_unix_nano=1, end_time_unix_nano=2)] * (
+        MAX_SPANS_PER_EXPORT + 5
+    )
+    resp = receiver.export(export(*plain))
+    assert resp.partial_success.rejected_spans == 5
+    assert f"more than {MAX_SPANS_PER_EXPORT} spans" in resp.partial_success.error_message
+    wide = capture_span()
+    wide.attributes.extend(kv(f"x.{i}", i) for i in range(MAX_ATTRIBUTES_PER_SPAN))
+    resp = receiver.export(export(wide, capture_span()))
+    assert resp.partial_success.rejected_spans == 1
+    assert "attributes" in resp.partial_success.error_message
+    assert len(stream.drain("test")) == 1  # the ordinary capture span only
+
+
+def test_concurrent_decodes_are_bounded_and_the_overflow_is_a_503(
+    agent: Agent, stream: RequestStream
+) -> None:
+    """Two exports decode at once and 16 wait; the next one is told to retry (503,
+    Retry-After) at once instead of piling up bodies in memory."""
+    from agent.requests.otlp_receiver import MAX_CONCURRENT_DECODES, MAX_WAITING_DECODES
+
+    n = MAX_CONCURRENT_DECODES + MAX_WAITING_DECODES
+    head = (
+        f"POST /v1/traces HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: {PB}\r\n"
+        "Content-Length: 1000\r\n\r\n"
+    ).encode()
+    slow = []
+    try:
+        for _ in range(n):  # each sends 10 of its 1,000 bytes, then stalls
+            s = socket.create_connection(("127.0.0.1", agent.port), timeout=5)
+            s.sendall(head + b"\x0a" * 10)
+            slow.append(s)
+        deadline = time.monotonic() + 5
+        while agent.receiver._queued < n and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert agent.receiver._queued == n
+        r = httpx.post(agent.url, content=export(capture_span()).SerializeToString(),
+                       headers={"Content-Type": PB}, timeout=5)  # fmt: skip
+        assert r.status_code == 503 and r.headers["Retry-After"] == "1"
+        assert counters(agent.receiver)[("kvpressure_otlp_requests_total", "busy")] == 1
+    finally:
+        for s in slow:
+            s.close()
+    deadline = time.monotonic() + 5
+    while agent.receiver._queued and time.monotonic() < deadline:
+        time.sleep(0.02)
+    ok = httpx.post(agent.url, content=export(capture_span()).SerializeToString(),
+                    headers={"Content-Type": PB}, timeout=5)  # fmt: skip
+    assert ok.status_code == 200
+    assert len(stream.drain("test")) == 1
+
+
+def test_a_body_dripped_slowly_is_a_408_and_frees_its_slot(
+    agent: Agent, stream: RequestStream, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from agent.requests import otlp_receiver
+
+    monkeypatch.setattr(otlp_receiver, "BODY_READ_TIMEOUT_S", 0.5)
+    head = (
+        f"POST /v1/traces HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: {PB}\r\n"
+        "Content-Length: 1000\r\n\r\n"
+    ).encode()
+    with socket.create_connection(("127.0.0.1", agent.port), timeout=5) as s:
+        s.sendall(head + b"\x0a" * 10)  # then nothing
+        answer = b""
+        while b"\r\n\r\n" not in answer:
+            chunk = s.recv(4096)
+            if not chunk:
+                break
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 408 "), answer[:100]
+    assert counters(agent.receiver)[("kvpressure_otlp_requests_total", "read_timeout")] == 1
+    assert agent.receiver._queued == 0
+    ok = httpx.post(agent.url, content=export(capture_span()).SerializeToString(),
+                    headers={"Content-Type": PB}, timeout=5)  # fmt: skip
+    assert ok.status_code == 200

@@ -406,7 +406,94 @@ def test_keepalive_connection_is_reused(
     assert [r.upstream_connect_s for r in recs[1:]] == [None, None]  # reused: no connect
 
 
+def test_idle_connections_over_the_cap_do_not_starve_requests_or_cut_streams(
+    engine: Engine,
+    make_proxy: Callable[..., RequestProxy],
+    stream: RequestStream,
+) -> None:
+    """Issue 18, point 1, on the proxy: cap 10, a stream in flight, then 60 idle client
+    connections. Idle ones make room for each other and for a new request; the stream in
+    flight (a busy connection) is never closed and arrives whole."""
+    p = make_proxy(engine.url, max_client_connections=10)
+    got: dict[str, Any] = {}
+
+    def streamed() -> None:
+        with (
+            httpx.Client() as c,
+            c.stream(
+                "POST", url(p, "/v1/chat/completions"), json={"model": "forever"}, timeout=10
+            ) as r,
+        ):
+            n = 0
+            for _ in r.iter_bytes():
+                n += 1
+                if n == 1:
+                    got["started"] = True
+                if got.get("stop"):
+                    break
+            got["chunks"] = n
+
+    t = threading.Thread(target=streamed)
+    t.start()
+    held: list[socket.socket] = []
+    try:
+        _wait_until(lambda: bool(got.get("started")))
+        held = [socket.create_connection(("127.0.0.1", p.port or 0)) for _ in range(60)]
+        with httpx.Client() as c:
+            r = c.post(url(p, "/v1/chat/completions"), json={"model": "json"}, timeout=5)
+        assert r.status_code == 200
+        assert p.cap.closed_idle >= 50
+        # the stream is still running (the JSON request leaves in_flight just after its reply)
+        _wait_until(lambda: p.in_flight == 1)
+        assert "chunks" not in got
+    finally:
+        got["stop"] = True
+        t.join(10)
+        for s in held:
+            s.close()
+    assert got["chunks"] > 1
+    outcomes = sorted(rec.outcome for rec in wait_records(stream, 2))
+    assert outcomes == ["cancelled", "ok"]
+
+
 # --- errors -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", ["GET", "POST"])
+def test_absolute_uri_target_is_a_400_recorded_as_client_error(
+    engine: Engine,
+    make_proxy: Callable[..., RequestProxy],
+    stream: RequestStream,
+    logs: io.StringIO,
+    method: str,
+) -> None:
+    """Issue 18, point 7: ``POST http://other/v1/chat/completions`` (absolute form) is
+    refused with a 400 and, for an inference path, recorded ``client_error``; no 500, no
+    traceback, nothing sent to any other host."""
+    p = make_proxy(engine.url)
+    body = b"{}" if method == "POST" else b""
+    raw = (
+        f"{method} http://other.invalid/v1/chat/completions HTTP/1.1\r\n"
+        f"Host: other.invalid\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    ).encode() + body
+    with socket.create_connection(("127.0.0.1", p.port or 0), timeout=5) as s:
+        s.sendall(raw)
+        answer = b""
+        while chunk := s.recv(65536):
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 400 "), answer[:200]
+    assert b"request target must be a path" in answer
+    assert "Traceback" not in logs.getvalue()
+    if method == "POST":
+        (rec,) = wait_records(stream, 1)
+        assert (rec.outcome, rec.status, rec.error_type) == (
+            "client_error",
+            400,
+            "bad_request_target",
+        )
+    else:
+        time.sleep(0.1)
+        assert stream.drain("test") == []
 
 
 @pytest.mark.parametrize(
@@ -797,6 +884,7 @@ def test_reconfigure_keeps_listening_and_lets_streams_in_flight_finish(
             r = c.post(url(p, "/v1/chat/completions"), json=CHAT_BODY, timeout=10)
             got["status"], got["body"] = r.status_code, r.content
 
+    engine.last_body_sha = None  # the engine is shared: forget earlier tests' requests
     t = threading.Thread(target=slow_stream)
     t.start()
     # The stream is open upstream (the old engine has read it), nothing sent back yet. A fixed

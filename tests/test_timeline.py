@@ -49,3 +49,36 @@ def test_batch_drops_missing_values():
     b.add("m", float("inf"))
     b.add("m", 0, engine=None, model="")
     assert [(s.name, s.value, s.labels) for s in b] == [("m", 0.0, ())]
+
+
+def test_churning_label_keeps_memory_bounded_and_new_series_admitted():
+    """Issue 18, point 2: an engine whose ``model`` label changes every 0.1 s scrape. The
+    timeline stays under its cap, stable series keep their history, the newest churned
+    series (a new model, engine or PID) is still admitted, and a series written once costs
+    a few hundred bytes instead of a preallocated 16 KiB ring."""
+    import tracemalloc
+
+    stable = [Sample("kvpressure_host_memory_available_bytes", 1.0)] + [
+        Sample("kvpressure_engine_up", 1.0, (("engine", f"e{i}"),)) for i in range(20)
+    ]
+    tracemalloc.start()
+    try:
+        t = Timeline(points_per_series=1024, max_series=2000)
+        base = tracemalloc.get_traced_memory()[0]
+        for k in range(12_000):  # 20 minutes of scrapes at 0.1 s
+            ts = 1000.0 + k * 0.1
+            churn = Sample("kvpressure_engine_requests_running", 1.0, (("model", f"m{k}"),))
+            t.append(ts, [*stable, churn])
+        used = tracemalloc.get_traced_memory()[0] - base
+    finally:
+        tracemalloc.stop()
+    assert len(t) <= 2000
+    newest = t.window("kvpressure_engine_requests_running", match={"model": "m11999"})
+    assert list(newest.values()) == [[(ts, 1.0)]]
+    assert (
+        len(t.window("kvpressure_engine_up", match={"engine": "e0"})[(("engine", "e0"),)]) == 1024
+    )
+    assert t.evicted_series > 0 and t.dropped_samples == 0
+    # 21 full rings (16 KiB each) and < 2,000 one-point series of < 1 KB each (measured
+    # 1.66 MB in all; preallocated rings made it 2,000 x 16 KiB = 33 MB)
+    assert used < 21 * 17_000 + 2000 * 1_000, used

@@ -36,11 +36,15 @@ per attribute in ``kvpressure_otlp_span_attributes_dropped_total{attribute}``.
 
 Answers: 200 with an ``ExportTraceServiceResponse`` in the request's encoding
 (``partial_success.rejected_spans`` counts understood spans that could not be records at
-all: start/end times missing or reversed; ``error_message`` also says when attributes
-were dropped);
-400 for undecodable bodies, 413 over ``max_body_bytes`` (compressed or not), 415 for other
-content types or encodings, each with a one-line ``google.rpc.Status`` message. Nothing
-raised while decoding escapes the handler.
+all: start/end times missing or reversed, more than :data:`MAX_ATTRIBUTES_PER_SPAN`
+attributes, or beyond :data:`MAX_SPANS_PER_EXPORT`; ``error_message`` also says when
+attributes were dropped); 400 for undecodable bodies, 413 over ``max_body_bytes``
+(compressed or not), 408 when the body takes longer than :data:`BODY_READ_TIMEOUT_S` to
+arrive, 415 for other content types or encodings, 503 with ``Retry-After`` when
+:data:`MAX_CONCURRENT_DECODES` exports are being decoded and :data:`MAX_WAITING_DECODES`
+more wait, each with a one-line ``google.rpc.Status`` message. Nothing raised while decoding
+escapes the handler. Decoding runs on worker threads, at most two at a time, so clients
+sending large exports cannot take the CPU from the samplers or the event loop.
 """
 
 from __future__ import annotations
@@ -56,7 +60,7 @@ import threading
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 from aiohttp import web
 from google.protobuf import json_format
@@ -86,6 +90,17 @@ REQUESTS_METRIC = "kvpressure_otlp_requests_total"
 _GRPC_INVALID_ARGUMENT = 3
 _GRPC_RESOURCE_EXHAUSTED = 8
 _GRPC_UNIMPLEMENTED = 12
+_GRPC_UNAVAILABLE = 14
+MAX_CONCURRENT_DECODES: Final = 2
+"""Exports whose bodies are read and decoded at the same time (the rest wait their turn)."""
+MAX_WAITING_DECODES: Final = 16
+"""Exports waiting for a decode slot; beyond them an export is answered 503 (retryable)."""
+BODY_READ_TIMEOUT_S: Final = 10.0
+"""Seconds an export's body may take to arrive once its decode slot is free (408 past it)."""
+MAX_SPANS_PER_EXPORT: Final = 10_000
+"""Spans read from one export; the rest are rejected (``partial_success``)."""
+MAX_ATTRIBUTES_PER_SPAN: Final = 512
+"""A span with more attributes is rejected unread (an LLM request span has about 30)."""
 
 _INFERENCE_OPS = frozenset({"chat", "text_completion", "generate_content", "completion"})
 _LLM_REQUEST_TYPES = frozenset({"chat", "completion"})
@@ -206,18 +221,35 @@ def decode(body: bytes, media_type: str) -> ExportTraceServiceRequest:
         try:
             req.ParseFromString(body)
         except (DecodeError, RuntimeError, ValueError) as exc:
-            raise OtlpDecodeError(f"invalid protobuf body: {exc}") from None
+            raise OtlpDecodeError(f"invalid protobuf body: {_no_data(str(exc))}") from None
         return req
     try:
         doc = json.loads(body)
+    except json.JSONDecodeError as exc:
+        where = f"line {exc.lineno} column {exc.colno}"
+        raise OtlpDecodeError(f"invalid JSON body: {_no_data(exc.msg)} at {where}") from None
+    except UnicodeDecodeError as exc:
+        raise OtlpDecodeError(f"invalid JSON body: not UTF-8 at byte {exc.start}") from None
     except (ValueError, RecursionError) as exc:
-        raise OtlpDecodeError(f"invalid JSON body: {exc}") from None
+        raise OtlpDecodeError(f"invalid JSON body: {type(exc).__name__}") from None
     _fix_ids(doc)
     try:
         json_format.ParseDict(doc, req, ignore_unknown_fields=True)
     except (json_format.ParseError, ValueError, TypeError, RecursionError) as exc:
-        raise OtlpDecodeError(f"invalid OTLP JSON: {exc}") from None
+        # protobuf's message quotes the offending value (client data): name the field only
+        path = ".".join(_FIELD_IN_ERROR.findall(str(exc))) or "(top level)"
+        raise OtlpDecodeError(f"invalid OTLP JSON: bad value at {path[:120]}") from None
     return req
+
+
+_FIELD_IN_ERROR = re.compile(r"Failed to parse (\w{1,64}) field")
+_ERROR_TEXT = re.compile(r"[^A-Za-z0-9 _.,()-]")
+
+
+def _no_data(message: str, limit: int = 80) -> str:
+    """A decoder's message cut before any quoted or ``:``-introduced detail, capped."""
+    head = re.split(r"[:'\"]", message, maxsplit=1)[0]
+    return " ".join(_ERROR_TEXT.sub(" ", head).split())[:limit]
 
 
 # --- attribute helpers ----------------------------------------------------------------
@@ -393,6 +425,10 @@ class OtlpReceiver:
         self._engines = LabelCap(max_engines)
         self._c = _Counters()
         self._warned: set[str] = set()
+        # At most MAX_CONCURRENT_DECODES bodies read and decoded at once, and a bounded
+        # number of exports waiting for their turn (more are answered 503 Retry-After).
+        self._decoding = asyncio.Semaphore(MAX_CONCURRENT_DECODES)
+        self._queued = 0
 
     def configure(
         self, enabled: bool, max_body_bytes: int, service_engines: Mapping[str, str]
@@ -429,8 +465,11 @@ class OtlpReceiver:
             dropped: receives the keys of the attributes dropped (may be None).
 
         Raises:
-            _Reject: the span's start/end times are missing or reversed (no record at all).
+            _Reject: the span's start/end times are missing or reversed, or it has more than
+                :data:`MAX_ATTRIBUTES_PER_SPAN` attributes (no record at all).
         """
+        if len(span.attributes) > MAX_ATTRIBUTES_PER_SPAN:
+            raise _Reject(f"more than {MAX_ATTRIBUTES_PER_SPAN} attributes")
         bad: list[str] = [] if dropped is None else dropped
         keys = {kv.key for kv in span.attributes}
         if span.name == "llm_request" or "gen_ai.latency.e2e" in keys:
@@ -528,7 +567,7 @@ class OtlpReceiver:
         Returns:
             The response to send; ``partial_success`` is set when spans were rejected.
         """
-        recorded = ignored = rejected = 0
+        recorded = ignored = rejected = over = 0
         first_reason = ""
         dropped: list[str] = []
         for rs in req.resource_spans:
@@ -539,6 +578,9 @@ class OtlpReceiver:
                     break
             for ss in rs.scope_spans:
                 for span in ss.spans:
+                    if recorded + ignored + rejected >= MAX_SPANS_PER_EXPORT:
+                        over += 1
+                        continue
                     try:
                         record = self.span_record(span, service, dropped)
                     except _Reject as exc:
@@ -552,6 +594,9 @@ class OtlpReceiver:
                     recorded += 1
         self._c.add("spans", "record", recorded)
         self._c.add("spans", "ignored", ignored)
+        if over:
+            rejected += over
+            first_reason = first_reason or f"more than {MAX_SPANS_PER_EXPORT} spans in one export"
         self._c.add("spans", "rejected", rejected)
         for key in dropped:
             self._c.add("attributes", key)
@@ -623,9 +668,33 @@ class OtlpReceiver:
                 media,
                 "unsupported_media_type",
             )
+        if self._queued >= MAX_CONCURRENT_DECODES + MAX_WAITING_DECODES:
+            busy = self._error(
+                503,
+                _GRPC_UNAVAILABLE,
+                f"busy: {MAX_CONCURRENT_DECODES} exports are being decoded; retry later",
+                media,
+                "busy",
+            )
+            busy.headers["Retry-After"] = "1"
+            return busy
+        self._queued += 1
+        try:
+            async with self._decoding:
+                return await self._receive(request, media, encoding)
+        finally:
+            self._queued -= 1
+
+    async def _receive(self, request: web.Request, media: str, encoding: str) -> web.Response:
         too_large = f"body larger than otlp_receiver.max_body_bytes ({self.max_body_bytes})"
         try:
-            body = await self._read_body(request)
+            async with asyncio.timeout(BODY_READ_TIMEOUT_S):
+                body = await self._read_body(request)
+        except TimeoutError:
+            # A body dripped in slowly must not hold a decode slot: 408, and the client
+            # may retry (the OTLP exporters do).
+            msg = f"body not received within {BODY_READ_TIMEOUT_S:g} s"
+            return self._error(408, _GRPC_UNAVAILABLE, msg, media, "read_timeout")
         except Exception as exc:  # noqa: BLE001 - reset, truncated or undecodable upload
             msg = f"cannot read body: {type(exc).__name__}"
             return self._error(400, _GRPC_INVALID_ARGUMENT, msg, media, "bad_request")
@@ -636,7 +705,7 @@ class OtlpReceiver:
         except OverflowError:
             return self._error(413, _GRPC_RESOURCE_EXHAUSTED, too_large, media, "too_large")
         except OtlpDecodeError as exc:
-            msg = " ".join(str(exc).split())[:300]
+            msg = " ".join(str(exc).split())[:200]  # built from our own words only
             return self._error(400, _GRPC_INVALID_ARGUMENT, msg, media, "bad_request")
         except Exception as exc:  # noqa: BLE001 - a malformed export must never escape
             msg = f"cannot process export: {type(exc).__name__}"

@@ -56,6 +56,13 @@ from aiohttp import ClientRequest, web
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
+from agent.listener import (
+    IDLE_TIMEOUT_S,
+    MAX_CONNECTIONS,
+    BoundedSite,
+    ConnectionCap,
+    ServerLog,
+)
 from agent.requests.record import MAX_ITL_GAPS, RequestRecord, RequestStream
 
 if TYPE_CHECKING:
@@ -116,6 +123,10 @@ of the failures not logged since), not one per request."""
 _ERROR_BODY = (
     b'{"error":{"code":502,"message":"kvpressure proxy: upstream unavailable",'
     b'"type":"upstream_down"}}'
+)
+_TARGET_ERROR_BODY = (
+    b'{"error":{"code":400,"message":"kvpressure proxy: the request target must be a path",'
+    b'"type":"invalid_request_error"}}'
 )
 
 
@@ -620,6 +631,9 @@ class RequestProxy:
         max_connections: most upstream connections at once (later requests wait).
         preconnect: open a spare upstream connection after a request that needed a new
             one (see :class:`UpstreamConnector`).
+        max_client_connections: client connections open at once; at the cap an idle one
+            is closed to admit a new one (see :mod:`agent.listener`), which also applies
+            the header and idle timeouts.
 
     :meth:`reconfigure` changes everything but ``listen`` without closing the listener.
     """
@@ -633,8 +647,10 @@ class RequestProxy:
         connect_timeout_s: float = 5.0,
         max_connections: int = 1024,
         preconnect: bool = True,
+        max_client_connections: int = MAX_CONNECTIONS,
     ) -> None:
         self.listen = listen
+        self.cap = ConnectionCap(f"proxy {listen}", max_client_connections)
         self._stream = stream
         self._max_connections = max_connections
         self._settings = (upstream.rstrip("/"), engine, connect_timeout_s, preconnect)
@@ -707,7 +723,9 @@ class RequestProxy:
             OSError: the listen address cannot be bound.
         """
         self._up = self._new_upstream()
-        app = web.Application(client_max_size=INLINE_BODY_MAX + 1)
+        app = web.Application(
+            client_max_size=INLINE_BODY_MAX + 1, middlewares=[self.cap.middleware]
+        )
         app.router.add_route("*", "/{tail:.*}", self._handle)
         runner = web.AppRunner(
             app,
@@ -715,10 +733,12 @@ class RequestProxy:
             handle_signals=False,
             handler_cancellation=True,
             shutdown_timeout=CLOSE_GRACE_S,
+            keepalive_timeout=IDLE_TIMEOUT_S,
+            logger=ServerLog(self.cap.name),
         )
         await runner.setup()
         host, port = _split_listen(self.listen)
-        site = web.TCPSite(runner, host, port, reuse_address=True)
+        site = BoundedSite(runner, host, port, self.cap)
         try:
             await site.start()
         except OSError:
@@ -727,9 +747,7 @@ class RequestProxy:
             self._up = None
             raise
         self._runner = runner
-        server = site._server
-        sockets = getattr(server, "sockets", None) or []
-        self.port = sockets[0].getsockname()[1] if sockets else port
+        self.port = site.port
         log.info(
             "proxy listening",
             extra={
@@ -818,6 +836,15 @@ class RequestProxy:
         up = self._up
         if up is None:  # closing
             return web.Response(status=502, body=_ERROR_BODY, content_type="application/json")
+        if not request.raw_path.startswith("/"):
+            # An absolute-form ("GET http://other/x") or asterisk-form target: this proxy
+            # forwards paths to its one engine only.
+            if inference:
+                why = {"error_type": "bad_request_target"}
+                self._record(up.engine, t_wall, t0, "client_error", 400, None, UpstreamUse(), why)
+            return web.Response(
+                status=400, body=_TARGET_ERROR_BODY, content_type="application/json"
+            )
         up.active += 1
         use = UpstreamUse()
         rec: dict[str, Any] = {}

@@ -34,6 +34,7 @@ from typing import Final
 
 import httpx
 
+from agent.logs import RateLimitedLog
 from agent.samplers.base import LogOnce, Sampler
 from agent.samplers.engines.exposition import (
     REASON_EMPTY,
@@ -60,6 +61,8 @@ DEFAULT_METRICS_PATH: Final = "/metrics"
 KV_RATIO: Final = "kvpressure_engine_kv_cache_usage_ratio"
 _ACCEPT: Final = "text/plain;version=0.0.4;q=1.0, application/openmetrics-text;q=0.5, */*;q=0.1"
 _BODY_LOG_BYTES: Final = 200
+WARN_PERIOD_S: Final = 60.0
+"""Warnings about an engine's malformed output: one line per reason per period, counted."""
 
 
 def engine_type_from_families(names: Iterable[str]) -> str | None:
@@ -194,6 +197,7 @@ class EngineSampler(Sampler):
         )
         self._lock = threading.Lock()
         self._log = LogOnce(log)
+        self._warn = RateLimitedLog(log, WARN_PERIOD_S)
         self._type: str | None = None
         self._normalizer: Normalizer | None = None
         self._addon: EngineAddon | None = None
@@ -356,9 +360,11 @@ class EngineSampler(Sampler):
             )
 
     def _log_parse_errors(self, result: ParseResult) -> None:
+        # One line a minute for this reason, with a count, however the bad lines' names
+        # churn (keyed by name, an engine with churning bad names logged every scrape).
         for err in result.errors:
-            self._log(
-                f"parse:{err.key}:{err.message[:40]}",
+            self._warn(
+                "parse",
                 logging.WARNING,
                 "engine %s (%s): skipped unparsable line %d (%s): %r",
                 self.engine,

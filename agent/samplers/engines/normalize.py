@@ -86,6 +86,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Final, Literal
 
+from agent.logs import RateLimitedLog
 from agent.requests.histograms import (
     DEFAULT_MIN_COUNT,
     DEFAULT_WINDOW_S,
@@ -717,6 +718,7 @@ class Normalizer:
         self._hist: dict[tuple[str, LabelPairs, LabelPairs], tuple[WindowedHistogram, int]] = {}
         self._ratios: dict[tuple[str, str | None], deque[tuple[float, float, float]]] = {}
         self._log = LogOnce(log)
+        self._warn = RateLimitedLog(log, 60.0)
 
     def normalize(
         self,
@@ -1059,6 +1061,11 @@ class Normalizer:
                 d_num, d_den = num - num0, den - den0
                 if t0 < now and d_den > 0 and 0 <= d_num <= d_den:
                     self._emit(out, ratio.canonical, model, d_num / d_den)
+        # A (ratio, model) not updated for a whole window (the model went away) is forgotten,
+        # so a churning model label cannot grow this map.
+        horizon = now - max(r.window_s for r in self.mapping.ratios)
+        for key in [k for k, ring in self._ratios.items() if not ring or ring[-1][0] < horizon]:
+            del self._ratios[key]
 
     # -- models and emission -----------------------------------------------------------------
 
@@ -1087,13 +1094,16 @@ class Normalizer:
         dropped = frozenset(ordered[self.max_models :])
         out.models_dropped = len(dropped)
         if dropped != self._dropped:
+            # Logged when the dropped set changes: a new count warns, at most once a minute
+            # per count; the same count with other models (pressure moving between models at
+            # the boundary, churning model names) is info, at most once a minute in all, with
+            # the number of changes since. Churn never floods the log.
             if dropped:
                 shown = ", ".join(repr(m) for m in sorted(dropped)[:5])
-                # a new count warns; the same count with other models (pressure moving
-                # between models at the boundary) is logged at info
-                level = logging.WARNING if len(dropped) != len(self._dropped) else logging.INFO
-                log.log(
-                    level,
+                new_count = len(dropped) != len(self._dropped)
+                self._warn(
+                    f"model-cap:{len(dropped)}" if new_count else "model-cap:same",
+                    logging.WARNING if new_count else logging.INFO,
                     "%s (%s): %d models, more than the cap of %d; kept the %d under the most "
                     "pressure (KV usage, running, waiting), dropped %d: %s%s",
                     self.engine,

@@ -1,0 +1,322 @@
+"""Bounded aiohttp listeners: a connection cap, header and idle timeouts, quiet accept errors.
+
+Both of the agent's listeners (its HTTP API in :mod:`agent.daemon`, each request proxy in
+:mod:`agent.requests.proxy`) bind through :class:`BoundedSite` with a :class:`ConnectionCap`:
+
+* **Cap.** At most ``max_connections`` open connections per listener. At the cap a new
+  connection makes room by closing an *idle* one (no request being handled: one that has
+  not finished sending its first request head, or is kept alive between requests), those
+  that never sent a request first, oldest first, as nginx reuses keep-alive connections
+  when it runs out. Connections with a request in progress (a scrape, a streamed
+  completion) are never closed; when every connection is busy, the new one gets a 503 and
+  is closed. So a client holding many idle connections cannot starve ``/healthz`` or
+  ``/metrics``, and the file descriptors in use stay below the process limit
+  (``LimitNOFILE`` in the systemd unit): a burst accepted in one go (at most the listen
+  backlog, 128) can exceed the cap briefly.
+* **Header timeout.** A connection that has not sent a complete request head within
+  ``header_timeout_s`` of being accepted is closed.
+* **Idle timeout.** aiohttp's ``keepalive_timeout``: a kept-alive connection with no new
+  request head within ``idle_timeout_s`` is closed.
+* **Quiet logging.** Closed and refused connections, and the event loop's
+  ``socket.accept() out of system resource`` errors (EMFILE), are logged at most once per
+  :data:`LOG_PERIOD_S` per listener and kind, with the count since the last line
+  (:class:`RateLimitedLog`), instead of one line per event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import ssl
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from typing import Any, Final
+
+from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestHandler
+
+from agent.logs import RateLimitedLog
+
+log = logging.getLogger(__name__)
+
+MAX_CONNECTIONS: Final = 1000
+"""Default cap on one listener's open connections."""
+HEADER_TIMEOUT_S: Final = 10.0
+"""Seconds a new connection has to send its first complete request head."""
+IDLE_TIMEOUT_S: Final = 60.0
+"""Seconds a kept-alive connection may wait for its next request (longer than the common
+Prometheus scrape intervals, so a scraper's connection is reused)."""
+LOG_PERIOD_S: Final = 60.0
+"""At most one log line per period for each kind of rate-limited event."""
+
+_REFUSE: Final = (
+    b"HTTP/1.1 503 Service Unavailable\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"
+)
+
+
+class ConnectionCap:
+    """The connection cap and header timeout of one aiohttp listener (see the module doc).
+
+    Use :attr:`middleware` in the application (it marks connections busy while a request
+    is handled) and :class:`BoundedSite` to bind it.
+
+    Args:
+        name: the listener, for log lines (e.g. ``"api 127.0.0.1:9470"``).
+        max_connections: open connections allowed at once.
+        header_timeout_s: seconds a new connection has to send its first request head.
+
+    Attributes:
+        closed_idle: idle connections closed to make room, since start.
+        refused: connections refused (503) because every open one was busy, since start.
+        header_timeouts: connections closed for not sending a request head in time.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        max_connections: int = MAX_CONNECTIONS,
+        header_timeout_s: float = HEADER_TIMEOUT_S,
+    ) -> None:
+        self.name = name
+        self.max_connections = max_connections
+        self.header_timeout_s = header_timeout_s
+        self.closed_idle = 0
+        self.refused = 0
+        self.header_timeouts = 0
+        self._busy: Counter[RequestHandler] = Counter()
+        # Connections admitted (loop time) / that sent a request / that are being closed;
+        # pruned to the open ones at every accept (aiohttp's handlers take no weak refs).
+        self._made: dict[RequestHandler, float] = {}
+        self._served: set[RequestHandler] = set()
+        self._closing: set[RequestHandler] = set()
+        self._log = RateLimitedLog(log, LOG_PERIOD_S)
+
+    @web.middleware
+    async def middleware(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        """Mark the request's connection busy while ``handler`` runs."""
+        conn = request.protocol
+        if not isinstance(conn, RequestHandler):  # pragma: no cover - aiohttp always sets one
+            return await handler(request)
+        self._served.add(conn)
+        self._busy[conn] += 1
+        try:
+            return await handler(request)
+        finally:
+            self._busy[conn] -= 1
+            if self._busy[conn] <= 0:
+                del self._busy[conn]
+
+    def protocol_factory(self, server: web.Server) -> Callable[[], asyncio.BaseProtocol]:
+        """Wrap aiohttp's protocol factory ``server`` with the cap and the header timer."""
+        loop = asyncio.get_running_loop()
+
+        def factory() -> asyncio.BaseProtocol:
+            now = loop.time()
+            live = set(server.connections)
+            # Handlers made in this burst of accepts are not registered yet (aiohttp does
+            # it in connection_made, a loop iteration later): count them for up to 1 s.
+            for h, made in list(self._made.items()):
+                if h not in live and (h in self._closing or now - made > 1.0):
+                    del self._made[h]
+            self._served &= live
+            self._closing &= live
+            admitted = len(self._made) - len(self._closing)
+            if admitted >= self.max_connections and not self._make_room(loop):
+                self.refused += 1
+                self._log(
+                    "refused",
+                    logging.WARNING,
+                    "connection refused: every connection is busy",
+                    kv={"listener": self.name, "max_connections": self.max_connections},
+                )
+                return _Refuse()
+            handler = server()
+            self._made[handler] = now
+            loop.call_later(self.header_timeout_s, self._header_deadline, handler)
+            return handler
+
+        return factory
+
+    def _make_room(self, loop: asyncio.AbstractEventLoop) -> bool:
+        idle = [c for c in self._made if c not in self._busy and c not in self._closing]
+        victim = next((c for c in idle if c not in self._served), None)
+        if victim is None:
+            victim = idle[0] if idle else None
+        if victim is None:
+            return False
+        self._closing.add(victim)
+        # Soon, not now: a victim from this burst of accepts gets its transport in a
+        # connection_made callback already queued; force_close before that would leave
+        # the transport open.
+        loop.call_soon(victim.force_close)
+        self.closed_idle += 1
+        self._log(
+            "evicted",
+            logging.WARNING,
+            "connection cap reached: closed idle connections to admit new ones",
+            kv={"listener": self.name, "max_connections": self.max_connections},
+        )
+        return True
+
+    def _header_deadline(self, handler: RequestHandler) -> None:
+        if handler in self._served or handler in self._closing or handler.transport is None:
+            return
+        self._closing.add(handler)
+        handler.force_close()
+        self.header_timeouts += 1
+        self._log(
+            "header-timeout",
+            logging.INFO,
+            "closed connections that sent no request head in time",
+            kv={"listener": self.name, "header_timeout_s": self.header_timeout_s},
+        )
+
+
+class ServerLog(logging.LoggerAdapter):  # type: ignore[type-arg]
+    """aiohttp's server logger for one listener, without a traceback per malformed request.
+
+    aiohttp logs an ERROR with a traceback for every request its HTTP parser refuses with a
+    4xx (a bad header, a bad URL, garbage): a client could fill the log with them. Those
+    become one WARNING line per :data:`LOG_PERIOD_S` with a count and the error's type;
+    everything else (a handler's own exception, a 500) is logged as aiohttp logs it.
+
+    Args:
+        name: the listener, for log lines.
+    """
+
+    def __init__(self, name: str) -> None:
+        super().__init__(logging.getLogger("aiohttp.server"), {})
+        self.listener = name
+        self._limited = RateLimitedLog(log, LOG_PERIOD_S)
+
+    def log(self, level: int, msg: object, *args: Any, **kwargs: Any) -> None:
+        """Log as aiohttp asks, except a client's malformed request (see the class doc)."""
+        exc = kwargs.get("exc_info")
+        code = getattr(exc, "code", None)
+        if isinstance(exc, HttpProcessingError) and isinstance(code, int) and code < 500:
+            self._limited(
+                "malformed",
+                logging.WARNING,
+                "malformed HTTP requests refused",
+                kv={"listener": self.listener, "status": code, "error": type(exc).__name__},
+            )
+            return
+        super().log(level, msg, *args, **kwargs)
+
+
+class _Refuse(asyncio.Protocol):
+    """Answers 503 and closes: the connection every busy listener cannot take."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        if isinstance(transport, asyncio.WriteTransport):
+            transport.write(_REFUSE)
+        transport.close()
+
+
+class BoundedSite(web.TCPSite):
+    """A :class:`aiohttp.web.TCPSite` whose connections go through a :class:`ConnectionCap`.
+
+    Args:
+        runner: the set-up runner (its application must use ``cap.middleware``).
+        host: address to bind.
+        port: port to bind (0: any free one).
+        cap: the listener's cap.
+        ssl_context: serve TLS with this context (see :mod:`agent.webconfig`).
+
+    Raises:
+        OSError: from :meth:`start`, when the address cannot be bound.
+    """
+
+    def __init__(
+        self,
+        runner: web.BaseRunner,
+        host: str,
+        port: int,
+        cap: ConnectionCap,
+        ssl_context: ssl.SSLContext | None = None,
+    ) -> None:
+        super().__init__(runner, host, port, reuse_address=True, ssl_context=ssl_context)
+        self.cap = cap
+
+    async def start(self) -> None:
+        """Bind and serve, as ``TCPSite.start`` does, with the capped protocol factory."""
+        await web.BaseSite.start(self)  # registers the site with its runner
+        server = self._runner.server
+        assert server is not None
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(
+            self.cap.protocol_factory(server),
+            self._host,
+            self._port,
+            ssl=self._ssl_context,
+            backlog=self._backlog,
+            reuse_address=True,
+        )
+
+    @property
+    def port(self) -> int:
+        """The bound port (useful after binding port 0)."""
+        sockets = getattr(self._server, "sockets", None) or []
+        return int(sockets[0].getsockname()[1]) if sockets else int(self._port or 0)
+
+
+def install_accept_error_handler(loop: asyncio.AbstractEventLoop) -> None:
+    """Log the loop's accept errors (EMFILE, ENFILE, ENOBUFS) once per period with a count.
+
+    asyncio reports each failed ``accept()`` through the loop's exception handler, and a
+    listener out of file descriptors retries every second for as long as it lasts; this
+    handler turns those into one WARNING line per listener per :data:`LOG_PERIOD_S`. Every
+    other context goes to the handler that was installed before (or asyncio's default).
+    """
+    previous = loop.get_exception_handler()
+    limited = RateLimitedLog(log, LOG_PERIOD_S)
+
+    def handler(lp: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        message = str(context.get("message", ""))
+        if message.startswith("socket.accept() out of system resource"):
+            sock: Any = context.get("socket")
+            where = ""
+            with contextlib.suppress(AttributeError, OSError, IndexError, TypeError):
+                addr = sock.getsockname()
+                where = f"{addr[0]}:{addr[1]}"
+            exc = context.get("exception")
+            limited(
+                f"accept:{where}",
+                logging.WARNING,
+                "accept failed: out of file descriptors or buffers; retrying",
+                kv={"listener": where, "error": f"{type(exc).__name__}: {exc}" if exc else message},
+            )
+            return
+        if previous is not None:
+            previous(lp, context)
+        else:
+            lp.default_exception_handler(context)
+
+    loop.set_exception_handler(handler)
+
+
+def raise_fd_limit(target: int = 65536) -> tuple[int, int]:
+    """Raise the soft open-files limit towards the hard one (at most ``target``).
+
+    systemd starts services with a soft ``RLIMIT_NOFILE`` of 1,024 unless ``LimitNOFILE=``
+    says otherwise, and expects programs that need more (and do not use ``select()``; the
+    agent uses epoll through asyncio) to raise it themselves, as Go programs do. Each
+    listener holds up to its ``max_connections`` plus one listen backlog (128) during an
+    accept burst.
+
+    Returns:
+        The (soft, hard) limits now in force; unchanged where the platform refuses.
+    """
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = target if hard == resource.RLIM_INFINITY else min(hard, target)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        with contextlib.suppress(OSError, ValueError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    limits = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return int(limits[0]), int(limits[1])
