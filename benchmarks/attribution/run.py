@@ -52,6 +52,8 @@ from typing import Any
 import httpx
 import yaml
 
+from agent.api import MAX_ATTRIBUTIONS_LIMIT
+
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "e2e"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -498,11 +500,16 @@ def run(args: argparse.Namespace) -> tuple[list[ScenarioResult], dict[str, Any],
             time.sleep(args.gap_s)
             results.append(bench.scenario(name, requests_of(args, name), seed=2000 + 100 * i))
         time.sleep(3.0)  # the last records settle and get attributed
-        doc = httpx.get(
+        resp = httpx.get(
             f"{bench.agent_url}/api/v1/attributions",
             timeout=30,
-            params={"since": f"{time.time() - t_begin + 5:.0f}", "limit": "100000"},
-        ).json()
+            params={
+                "since": f"{time.time() - t_begin + 5:.0f}",
+                "limit": str(MAX_ATTRIBUTIONS_LIMIT),
+            },
+        )
+        resp.raise_for_status()
+        doc = resp.json()
     finally:
         bench.close()
         if not args.keep:

@@ -88,6 +88,8 @@ from typing import Any
 import httpx
 import yaml
 
+from agent.api import MAX_ATTRIBUTIONS_LIMIT
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "vllm"))
@@ -292,11 +294,13 @@ class Bench:
         return asyncio.run(run_load(self.vllm_url, n, shape, seed))
 
     def attributions(self, since: float, limit: int = 0) -> dict[str, Any]:
-        doc: dict[str, Any] = httpx.get(
+        resp = httpx.get(
             f"{self.agent_url}/api/v1/attributions",
             timeout=30,
             params={"since": f"{time.time() - since:.1f}", "limit": str(limit)},
-        ).json()
+        )
+        resp.raise_for_status()
+        doc: dict[str, Any] = resp.json()
         return doc
 
     def wait_records(self, since: float, timeout_s: float = 60.0) -> int:
@@ -498,7 +502,7 @@ def run(args: argparse.Namespace) -> tuple[list[Any], dict[str, Any], str, bool,
                 )
             )
         b.wait_records(t_begin)
-        doc = b.attributions(t_begin - 5, limit=100000)
+        doc = b.attributions(t_begin - 5, limit=MAX_ATTRIBUTIONS_LIMIT)
         spans = _otlp_spans(b.agent_url)
     finally:
         b.close()
