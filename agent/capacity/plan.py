@@ -731,7 +731,10 @@ def render_plan(plan: Mapping[str, Any]) -> str:
         + (
             "; a what-if for this demand from the knee since the agent started, so it differs "
             "from `kvpressure explain`'s p99, which is over the requests actually seen in its "
-            "window, at whatever occupancy they met"
+            "window, at whatever occupancy they met; and the knee's quantiles are read from "
+            "histogram buckets (interpolated within a bucket, as histogram_quantile does) "
+            "where explain's are exact per-request latencies, so with few requests they can "
+            "differ by up to a bucket's width"
             if plan["live"] and plan["live"]["knee"]
             else " (needs --agent with an observed knee)"
         )
