@@ -253,14 +253,3 @@ def fmt_pct(v: float | None, spec: str = ".1f") -> str:
 def fmt_num(v: float | None, spec: str = ".0f") -> str:
     """A number with ``spec``; ``-`` for ``None``."""
     return "-" if v is None else format(v, spec)
-
-
-def fmt_seconds(v: float | None) -> str:
-    """``0.0123`` -> ``12.3ms``, ``2.5`` -> ``2.50s``, ``250`` -> ``250s``; ``-`` for ``None``."""
-    if v is None:
-        return "-"
-    if v < 1.0:
-        return f"{v * 1000:.1f}ms"
-    if v < 100:
-        return f"{v:.2f}s"
-    return f"{v:.0f}s"

@@ -337,27 +337,11 @@ class CapacitySampler(Sampler):
         return shape
 
     def _llamacpp_gguf(self, view: EngineView) -> str | None:
-        """Return the local GGUF a llama-server serves, or ``None``.
+        """Return the local GGUF a llama-server serves, or ``None`` (:func:`llamacpp_gguf_path`).
 
-        Its ``model`` label when that is a path, else ``model_path`` from one ``GET
-        http://<instance>/props`` (builds whose alias is the bare file name); ``None`` when
-        neither names a readable file on this host. Read once per engine and model.
+        Read once per engine and model.
         """
-        if view.model and view.model.lower().endswith(".gguf") and Path(view.model).is_file():
-            return view.model
-        if not view.instance:
-            return None
-        import httpx
-
-        try:
-            r = httpx.get(f"http://{view.instance}/props", timeout=self.props_timeout_s)
-            r.raise_for_status()
-            path = r.json().get("model_path")
-        except (httpx.HTTPError, ValueError, AttributeError):
-            return None
-        if isinstance(path, str) and path.lower().endswith(".gguf") and Path(path).is_file():
-            return path
-        return None
+        return llamacpp_gguf_path(view.model, view.instance, self.props_timeout_s)
 
     # ---- collect -----------------------------------------------------------------------
     def collect(self, batch: Batch) -> None:
@@ -542,3 +526,28 @@ class CapacitySampler(Sampler):
         for r in self.stream.drain(CONSUMER):
             if math.isfinite(r.start):
                 self.observe_record(r)
+
+
+def llamacpp_gguf_path(model: str | None, instance: str | None, timeout_s: float) -> str | None:
+    """The GGUF file a llama-server serves, when it is readable on this host, or ``None``.
+
+    The engine's ``model`` label when that is a path to a ``.gguf`` file, else ``model_path``
+    from one ``GET http://<instance>/props`` (builds whose alias is the bare file name).
+    ``None`` when neither names a readable file here (the agent runs elsewhere, the engine
+    is gone, or ``/props`` fails within ``timeout_s`` seconds).
+    """
+    if model and model.lower().endswith(".gguf") and Path(model).is_file():
+        return model
+    if not instance:
+        return None
+    import httpx
+
+    try:
+        r = httpx.get(f"http://{instance}/props", timeout=timeout_s)
+        r.raise_for_status()
+        path = r.json().get("model_path")
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return None
+    if isinstance(path, str) and path.lower().endswith(".gguf") and Path(path).is_file():
+        return path
+    return None

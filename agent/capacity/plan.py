@@ -288,28 +288,14 @@ def live_from_snapshot(snap: Mapping[str, Any], engine: str | None = None) -> Li
 def llamacpp_gguf(live: LiveFacts, timeout_s: float = 3.0) -> str | None:
     """The GGUF file a llama.cpp engine serves, when it is readable on this host.
 
-    The engine's ``model`` label when that is a path to a ``.gguf`` file, else ``model_path``
-    from one ``GET http://<instance>/props`` (the same rule the agent's capacity sampler
-    follows). ``None`` for other engines, or when neither names a readable file here (the
-    agent runs elsewhere, or the engine is gone).
+    The same rule the agent's capacity sampler follows
+    (:func:`agent.capacity.live.llamacpp_gguf_path`); ``None`` for other engines.
     """
     if live.engine_type != "llamacpp":
         return None
-    if live.model and live.model.lower().endswith(".gguf") and Path(live.model).is_file():
-        return live.model
-    if not live.instance:
-        return None
-    import httpx
+    from agent.capacity.live import llamacpp_gguf_path
 
-    try:
-        r = httpx.get(f"http://{live.instance}/props", timeout=timeout_s)
-        r.raise_for_status()
-        path = r.json().get("model_path")
-    except (httpx.HTTPError, ValueError, AttributeError):
-        return None
-    if isinstance(path, str) and path.lower().endswith(".gguf") and Path(path).is_file():
-        return path
-    return None
+    return llamacpp_gguf_path(live.model, live.instance, timeout_s)
 
 
 def fetch_live(url: str, engine: str | None = None, timeout_s: float = 5.0) -> LiveFacts:

@@ -23,6 +23,9 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO_ROOT / "scripts"))
+from llamacpp_check import exit_reason  # noqa: E402  (scripts/: the build check's own wording)
+
 E2E_REQUIRED = os.environ.get("KVPRESSURE_E2E_REQUIRED") == "1"
 CACHE = Path(os.environ.get("KVPRESSURE_CACHE", Path.home() / ".cache" / "kvpressure"))
 DEFAULT_MODEL = CACHE / "models" / "gemma-3-270m-q4_k_m.gguf"
@@ -57,17 +60,6 @@ def tail(path: Path, n: int = 40) -> str:
     except OSError:
         return "<no log>"
     return "\n".join(lines[-n:])
-
-
-def exit_reason(returncode: int) -> str:
-    """``exited with 1`` or ``killed by SIGILL (Illegal instruction)`` for a Popen returncode."""
-    if returncode < 0:
-        try:
-            sig = signal.Signals(-returncode)
-        except ValueError:
-            return f"killed by signal {-returncode}"
-        return f"killed by {sig.name} ({signal.strsignal(sig) or sig.name})"
-    return f"exited with {returncode}"
 
 
 def log_tail_line(path: Path, n: int = 4) -> str:
