@@ -1099,6 +1099,20 @@ _ALL: tuple[Metric, ...] = (
         "engine",
     ),
     _m(
+        "kvpressure_engine_request_latency_seconds",
+        "histogram",
+        "seconds",
+        "The engine's own latency histograms re-exported cumulative (reset-aware) in one "
+        "bucket layout per phase whatever the engine, so histogram_quantile can combine "
+        "instances: OpenTelemetry GenAI advisory buckets of gen_ai.server.time_to_first_token "
+        "(ttft), time_per_output_token (itl) and request.duration (the other phases). An engine "
+        "bucket bound that is not a target bound counts in the next target bound above it "
+        "(never under-reports); phase as in kvpressure_engine_latency_seconds.",
+        (*ENGINE_LABELS, "phase"),
+        "",
+        "engine",
+    ),
+    _m(
         "kvpressure_engine_kv_block_residency_seconds",
         "gauge",
         "seconds",
@@ -1377,6 +1391,32 @@ def get(name: str) -> Metric:
         KeyError: ``name`` is not in the catalogue.
     """
     return CATALOGUE[name]
+
+
+HISTOGRAM_SUFFIXES = ("_bucket", "_count", "_sum")
+
+
+def metric_of_sample(sample_name: str) -> Metric | None:
+    """The catalogue metric a sample name belongs to.
+
+    Args:
+        sample_name: a sample's name: a gauge's, counter's or info metric's own name, or a
+            histogram's ``<name>_bucket`` / ``_count`` / ``_sum``.
+
+    Returns:
+        The metric, or ``None`` when the name is not catalogued (a histogram's bare name is
+        not a sample name either).
+    """
+    m = CATALOGUE.get(sample_name)
+    if m is not None:
+        return None if m.kind == "histogram" else m
+    for suffix in HISTOGRAM_SUFFIXES:
+        base = sample_name.removesuffix(suffix)
+        if base != sample_name:
+            h = CATALOGUE.get(base)
+            if h is not None and h.kind == "histogram":
+                return h
+    return None
 
 
 def markdown_table() -> str:

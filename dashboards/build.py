@@ -1134,6 +1134,15 @@ def _quantile(phase: str, quantile: float) -> Json:
     )
 
 
+def _engine_quantile(phase: str, quantile: float) -> Json:
+    bucket = sel("kvpressure_engine_request_latency_seconds_bucket", ENGINE, f'phase="{phase}"')
+    return q(
+        f"histogram_quantile({quantile}, "
+        f"sum by (engine, model, le) (rate({bucket}[$__rate_interval])))",
+        f"{{{{engine}}}} {{{{model}}}} p{round(quantile * 100)}",
+    )
+
+
 def tail_latency() -> Dashboard:
     """Tail latency and attribution: request-latency quantiles, slow requests by cause."""
     items: list[Item] = [
@@ -1143,6 +1152,20 @@ def tail_latency() -> Dashboard:
                 f"{phase.upper()} p50 and p99",
                 f"{phase.upper()} quantiles from the request latency histogram.",
                 [_quantile(phase, 0.5), _quantile(phase, 0.99)],
+                unit="s",
+                w=8,
+            )
+            for phase in ("ttft", "itl", "e2e")
+        ),
+        Row("Engine latency (the engines' own histograms)"),
+        *(
+            timeseries(
+                f"Engine {phase.upper()} p50 and p99 per model",
+                f"{phase.upper()} quantiles per engine and model over every selected node and "
+                "engine instance, from kvpressure_engine_request_latency_seconds (the engines' "
+                "histograms re-bucketed into one OpenTelemetry GenAI layout per phase, so they "
+                "sum across instances). Needs no request proxy.",
+                [_engine_quantile(phase, 0.5), _engine_quantile(phase, 0.99)],
                 unit="s",
                 w=8,
             )
