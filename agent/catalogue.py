@@ -563,8 +563,10 @@ _ALL: tuple[Metric, ...] = (
         "bytes",
         "GPU memory held by a process (nvmlDeviceGetComputeRunningProcesses and "
         "nvmlDeviceGetGraphicsRunningProcesses, one row per PID), PID in the agent's PID "
-        "namespace (NSpid), joined to the engine the agent knows at that PID.",
-        (*GPU_LABELS, "pid", "process", "engine"),
+        "namespace (NSpid), joined to the engine the agent knows at that PID. In Kubernetes "
+        "pod_uid from /proc/PID/cgroup, and namespace, pod, container from the kubelet "
+        "pod-resources socket's assignment of the device; each absent when unknown.",
+        (*GPU_LABELS, "pid", "process", "engine", "pod_uid", "namespace", "pod", "container"),
         "",
         "gpu",
     ),
