@@ -665,6 +665,18 @@ _ALL: tuple[Metric, ...] = (
         "engine",
     ),
     _m(
+        "kvpressure_engine_pod_info",
+        "info",
+        "1",
+        "The Kubernetes pod of an engine whose GPU process the agent joined to it (engine "
+        "PID or an ancestor): pod_uid from /proc/PID/cgroup, namespace, pod, container from "
+        "the kubelet pod-resources socket when configured; join engine series on engine. "
+        "Always 1; absent outside Kubernetes.",
+        ("engine", "pod_uid", "namespace", "pod", "container"),
+        "",
+        "engine",
+    ),
+    _m(
         "kvpressure_engine_scrape_samples",
         "gauge",
         "1",

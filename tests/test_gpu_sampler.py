@@ -1045,3 +1045,18 @@ def test_process_in_a_pod_gets_pod_uid_from_cgroup_and_names_from_pod_resources(
     rows3 = [dict(x.labels) for x in collect(s3).samples if x.name.endswith("process_memory_bytes")]
     mine3 = next(r for r in rows3 if r["pid"] == "4242")
     assert not {"pod_uid", "pod", "namespace", "container"} & mine3.keys()
+
+
+def test_engine_pod_info_joins_an_engine_to_its_pod(tmp_path):
+    uid = "6f1c2b3a-4d5e-4f60-8a9b-0c1d2e3f4a5b"
+    proc = tmp_path / "proc"
+    (proc / "4242").mkdir(parents=True)
+    (proc / "4242" / "stat").write_text("4242 (python3) S 1 4242 4242 0 -1 4194560\n")
+    (proc / "4242" / "cgroup").write_text(f"0::/kubepods/besteffort/pod{uid}/{'cd' * 32}\n")
+    s, _f, _c = make("h200", procfs_root=str(proc), engine_pids=lambda: {4242: "vllm"})
+    b = collect(s)
+    info = [dict(x.labels) for x in b.samples if x.name == "kvpressure_engine_pod_info"]
+    assert info == [{"engine": "vllm", "pod_uid": uid}]
+    # without the engine join, or outside a pod, there is no info series
+    s2, _f2, _c2 = make("h200", procfs_root=str(proc))
+    assert not [x for x in collect(s2).samples if x.name == "kvpressure_engine_pod_info"]

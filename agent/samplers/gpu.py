@@ -1644,6 +1644,7 @@ class GpuSampler(Sampler):
             self._pods.pop(pid, None)
         for pid in [p for p in self._ancestors if p not in seen_pids]:
             del self._ancestors[pid]
+        engine_pods: set[tuple[str, str, tuple[str, str, str] | None]] = set()
         for g in self._gpus:
             got = readings.get(g.index)
             if got is None:
@@ -1653,8 +1654,21 @@ class GpuSampler(Sampler):
                 self._log_once.reset(f"gpu{g.index}:down")
                 g.down_reason = ""
             g.backoff.ok()
-            self._emit_gpu(batch, g, got, engines, leaf_engines, unmapped, proc_engine, now)
+            self._emit_gpu(
+                batch, g, got, engines, leaf_engines, unmapped, proc_engine, now, engine_pods
+            )
             g.last_ok_t = now
+        for engine, pod_uid, names in sorted(engine_pods, key=lambda e: (e[0], e[1], e[2] or ())):
+            namespace, pod, container = names or (None, None, None)
+            batch.add(
+                "kvpressure_engine_pod_info",
+                1,
+                engine=engine,
+                pod_uid=pod_uid,
+                namespace=namespace,
+                pod=pod,
+                container=container,
+            )
 
     def _emit_gpu(
         self,
@@ -1666,6 +1680,7 @@ class GpuSampler(Sampler):
         unmapped: set[str],
         proc_engine: dict[int, str | None],
         now: float,
+        engine_pods: set[tuple[str, str, tuple[str, str, str] | None]],
     ) -> None:
         out = batch.samples
         phys = reading.leaves[0]
@@ -1718,6 +1733,9 @@ class GpuSampler(Sampler):
                 plab = leaf.process_labels(
                     pid, self._proc_names.get(pid, ""), proc_engine.get(pid), pod, names
                 )
+                engine = proc_engine.get(pid)
+                if pod is not None and engine is not None:
+                    engine_pods.add((engine, pod.pod_uid, names))
                 out.append(Sample("kvpressure_gpu_process_memory_bytes", used, plab))
             if leaf.host_memory and lr.processes is not None:
                 used_sum = math.fsum(u for _, u in lr.processes)
