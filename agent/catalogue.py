@@ -563,8 +563,10 @@ _ALL: tuple[Metric, ...] = (
         "bytes",
         "GPU memory held by a process (nvmlDeviceGetComputeRunningProcesses and "
         "nvmlDeviceGetGraphicsRunningProcesses, one row per PID), PID in the agent's PID "
-        "namespace (NSpid), joined to the engine the agent knows at that PID.",
-        (*GPU_LABELS, "pid", "process", "engine"),
+        "namespace (NSpid), joined to the engine the agent knows at that PID. In Kubernetes "
+        "pod_uid from /proc/PID/cgroup, and namespace, pod, container from the kubelet "
+        "pod-resources socket's assignment of the device; each absent when unknown.",
+        (*GPU_LABELS, "pid", "process", "engine", "pod_uid", "namespace", "pod", "container"),
         "",
         "gpu",
     ),
@@ -659,6 +661,18 @@ _ALL: tuple[Metric, ...] = (
         "1",
         "The engine type and model an endpoint serves; always 1.",
         ("engine", "instance", "type", "model"),
+        "",
+        "engine",
+    ),
+    _m(
+        "kvpressure_engine_pod_info",
+        "info",
+        "1",
+        "The Kubernetes pod of an engine whose GPU process the agent joined to it (engine "
+        "PID or an ancestor): pod_uid from /proc/PID/cgroup, namespace, pod, container from "
+        "the kubelet pod-resources socket when configured; join engine series on engine. "
+        "Always 1; absent outside Kubernetes.",
+        ("engine", "pod_uid", "namespace", "pod", "container"),
         "",
         "engine",
     ),
@@ -1099,6 +1113,20 @@ _ALL: tuple[Metric, ...] = (
         "engine",
     ),
     _m(
+        "kvpressure_engine_request_latency_seconds",
+        "histogram",
+        "seconds",
+        "The engine's own latency histograms re-exported cumulative (reset-aware) in one "
+        "bucket layout per phase whatever the engine, so histogram_quantile can combine "
+        "instances: OpenTelemetry GenAI advisory buckets of gen_ai.server.time_to_first_token "
+        "(ttft), time_per_output_token (itl) and request.duration (the other phases). An engine "
+        "bucket bound that is not a target bound counts in the next target bound above it "
+        "(never under-reports); phase as in kvpressure_engine_latency_seconds.",
+        (*ENGINE_LABELS, "phase"),
+        "",
+        "engine",
+    ),
+    _m(
         "kvpressure_engine_kv_block_residency_seconds",
         "gauge",
         "seconds",
@@ -1377,6 +1405,32 @@ def get(name: str) -> Metric:
         KeyError: ``name`` is not in the catalogue.
     """
     return CATALOGUE[name]
+
+
+HISTOGRAM_SUFFIXES = ("_bucket", "_count", "_sum")
+
+
+def metric_of_sample(sample_name: str) -> Metric | None:
+    """The catalogue metric a sample name belongs to.
+
+    Args:
+        sample_name: a sample's name: a gauge's, counter's or info metric's own name, or a
+            histogram's ``<name>_bucket`` / ``_count`` / ``_sum``.
+
+    Returns:
+        The metric, or ``None`` when the name is not catalogued (a histogram's bare name is
+        not a sample name either).
+    """
+    m = CATALOGUE.get(sample_name)
+    if m is not None:
+        return None if m.kind == "histogram" else m
+    for suffix in HISTOGRAM_SUFFIXES:
+        base = sample_name.removesuffix(suffix)
+        if base != sample_name:
+            h = CATALOGUE.get(base)
+            if h is not None and h.kind == "histogram":
+                return h
+    return None
 
 
 def markdown_table() -> str:

@@ -108,6 +108,11 @@ class GpuConfig(_Model):
             occupancy below ``memory_bound_sm_below``, the GPU is stalled ``memory_bound``.
         memory_bound_sm_below: see above.
         data_movement_window_s: window for bytes-per-token and tokens-per-byte.
+        pod_resources_socket: the kubelet's pod-resources socket
+            (``/var/lib/kubelet/pod-resources/kubelet.sock``, mounted into the agent's pod);
+            when set, per-process GPU memory of a process in a pod gets ``namespace``,
+            ``pod`` and ``container`` from the kubelet's assignment of that GPU (needs the
+            ``kubernetes`` extra, ``grpcio``). ``None``: off.
     """
 
     binding: str = Field(default="nvml", pattern=r"^(nvml|fake:.+)$")
@@ -115,6 +120,7 @@ class GpuConfig(_Model):
     memory_bound_bandwidth_above: float = Field(default=0.60, ge=0, le=1)
     memory_bound_sm_below: float = Field(default=0.30, ge=0, le=1)
     data_movement_window_s: Seconds = Field(default=30.0, ge=1, le=3600)
+    pod_resources_socket: str | None = None
 
     @field_validator("binding")
     @classmethod

@@ -274,14 +274,17 @@ class Daemon:
             gpu_spec = ("gpu", cfg.gpu, gpu_interval)  # GpuConfig is frozen: hashable
 
             def gpu_factory() -> Sampler:
+                from agent.podresources import make_client
                 from agent.samplers.gpu import GpuSampler
 
+                socket = cfg.gpu.pod_resources_socket
                 return GpuSampler(
                     binding=cfg.gpu.binding,
                     interval_s=gpu_interval,
                     thresholds=cfg.gpu,
                     state_view=self.state.latest,
                     engine_pids=self._engine_pids,
+                    pod_names=make_client(socket) if socket else None,
                 )
 
             out["gpu"] = (gpu_spec, gpu_factory)

@@ -1,18 +1,21 @@
-"""Generate kvpressure's Grafana dashboards as importable JSON.
+"""Generate kvpressure's Grafana dashboards as importable JSON, with Grafana's own SDK.
 
-The committed ``dashboards/*.json`` files are this module's output; ``tests/test_dashboards.py``
-fails when they drift from it, and ``tests/test_rules.py`` checks every query against the
-metric catalogue (``agent/catalogue.py``) and the recording rules in
+The dashboards are built with ``grafana-foundation-sdk`` (PyPI; typed builders generated
+from Grafana's schema, pinned in the ``dashboards`` and ``test`` extras to the release for
+Grafana 11.2, whose dashboard schema version is :data:`SCHEMA_VERSION`). The committed
+``dashboards/*.json`` files are this module's output; ``tests/test_dashboards.py`` fails
+when they drift from it, and ``tests/test_rules.py`` checks every query against the metric
+catalogue (``agent/catalogue.py``) and the recording rules in
 ``deploy/prometheus/kvpressure-rules.yml``. Regenerate after editing::
 
     .venv/bin/python -m dashboards.build          # rewrite dashboards/*.json
     .venv/bin/python -m dashboards.build --check  # exit 1 when a file is stale
 
-Plain JSON building, no dashboard library: the output is Grafana's classic dashboard JSON
-model (``schemaVersion`` :data:`SCHEMA_VERSION`, Grafana 10.4 and later; 11.x and 12.x
-migrate it on load). Each file imports through *Dashboards > New > Import* (it declares a
-``DS_PROMETHEUS`` input) and provisions from disk (panels use the ``$datasource`` variable,
-never a data source UID).
+The output is Grafana's dashboard JSON model (``schemaVersion`` 39, Grafana 10.4 and later;
+11.x and 12.x migrate it on load). Each file imports through *Dashboards > New > Import*
+(it declares a ``DS_PROMETHEUS`` input; ``__inputs``/``__requires`` are export fields the
+SDK's model does not carry, added here) and provisions from disk (panels use the
+``$datasource`` variable, never a data source UID).
 
 Label conventions (see ``deploy/prometheus/kvpressure-rules.yml``): ``instance`` is the
 agent's scrape target, ``exported_instance`` an engine's own host:port.
@@ -32,15 +35,28 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from grafana_foundation_sdk.builders import common as cb
+from grafana_foundation_sdk.builders import dashboard as db
+from grafana_foundation_sdk.builders import prometheus, statetimeline
+from grafana_foundation_sdk.builders import stat as stat_panel
+from grafana_foundation_sdk.builders import table as table_panel
+from grafana_foundation_sdk.builders import timeseries as timeseries_panel
+from grafana_foundation_sdk.cog.builder import Builder
+from grafana_foundation_sdk.cog.encoder import JSONEncoder
+from grafana_foundation_sdk.models import common as cm
+from grafana_foundation_sdk.models import dashboard as dm
+from grafana_foundation_sdk.models import prometheus as pm
+
 SCHEMA_VERSION = 39
-"""Grafana dashboard JSON schema version written (Grafana 10.3 to 11.2 write 39)."""
+"""Grafana dashboard JSON schema version written (the SDK release for Grafana 11.2 writes
+39, as Grafana 10.3 to 11.2 do)."""
 
 GRAFANA_MIN_VERSION = "10.4.0"
 """Oldest Grafana the dashboards are written for (``__requires``)."""
 
 OUT_DIR = Path(__file__).resolve().parent
 TAG = "kvpressure"
-DS = {"type": "prometheus", "uid": "${datasource}"}
+DS = dm.DataSourceRef(type_val="prometheus", uid="${datasource}")
 
 Json = dict[str, Any]
 
@@ -70,77 +86,96 @@ def increase(metric: str, matchers: str, *extra: str) -> str:
     return f"increase({sel(metric, matchers, *extra)}[$__rate_interval])"
 
 
-def q(expr: str, legend: str = "", *, instant: bool = False, table: bool = False) -> Json:
+def q(
+    expr: str, legend: str = "", *, instant: bool = False, table: bool = False
+) -> prometheus.Dataquery:
     """Return one Prometheus query target (``refId`` is assigned by the panel)."""
-    t: Json = {"datasource": DS, "expr": expr, "legendFormat": legend, "range": not instant}
-    if instant:
-        t["instant"] = True
+    t = prometheus.Dataquery().datasource(DS).expr(expr).legend_format(legend)
+    t = t.instant() if instant else t.range()
     if table:
-        t["format"] = "table"
+        t = t.format(pm.PromQueryFormat.TABLE)
     return t
+
+
+def to_json(obj: object) -> Json:
+    """The JSON model of an SDK object or builder (what Grafana reads)."""
+    if isinstance(obj, Builder):
+        obj = obj.build()
+    data: Json = json.loads(JSONEncoder().encode(obj))
+    return data
 
 
 @dataclass
 class Panel:
-    """A panel before layout: its JSON without ``id``/``gridPos``, and its size."""
+    """A panel before layout: its SDK builder, its kind and its size."""
 
-    body: Json
+    builder: Any
+    kind: str
     w: int = 12
     h: int = 8
 
+    @property
+    def body(self) -> Json:
+        """The panel's JSON without layout (for checks of its queries)."""
+        return to_json(self.builder)
 
-def _panel(
-    kind: str,
+
+Threshold = tuple[float | None, str]
+
+
+def _common(
+    builder: Any,
     title: str,
     description: str,
-    targets: Sequence[Json],
+    targets: Sequence[prometheus.Dataquery],
     *,
     unit: str,
-    options: Json,
-    custom: Json | None = None,
-    thresholds: Sequence[tuple[float | None, str]] = ((None, "green"),),
-    mappings: Sequence[Json] = (),
+    color: dm.FieldColorModeId,
+    thresholds: Sequence[Threshold],
+    mappings: Sequence[dm.ValueMap] = (),
     minmax: tuple[float | None, float | None] = (None, None),
-    w: int = 12,
-    h: int = 8,
-) -> Panel:
-    defaults: Json = {
-        "unit": unit,
-        "color": {"mode": "palette-classic" if kind == "timeseries" else "thresholds"},
-        "thresholds": {
-            "mode": "absolute",
-            "steps": [{"color": c, "value": v} for v, c in thresholds],
-        },
-        "mappings": list(mappings),
-    }
-    if custom is not None:
-        defaults["custom"] = custom
-    if minmax[0] is not None:
-        defaults["min"] = minmax[0]
-    if minmax[1] is not None:
-        defaults["max"] = minmax[1]
+) -> Any:
     refs = "ABCDEFGHIJ"
-    body: Json = {
-        "type": kind,
-        "title": title,
-        "description": description,
-        "datasource": DS,
-        "targets": [{**t, "refId": refs[i]} for i, t in enumerate(targets)],
-        "fieldConfig": {"defaults": defaults, "overrides": []},
-        "options": options,
-    }
-    return Panel(body, w, h)
+    b = (
+        builder.title(title)
+        .description(description)
+        .datasource(DS)
+        .unit(unit)
+        .color_scheme(db.FieldColor().mode(color))
+        .thresholds(
+            db.ThresholdsConfig()
+            .mode(dm.ThresholdsMode.ABSOLUTE)
+            .steps([dm.Threshold(value=v, color=c) for v, c in thresholds])
+        )
+        .mappings(list(mappings))
+    )
+    for i, t in enumerate(targets):
+        b = b.with_target(t.ref_id(refs[i]))
+    if minmax[0] is not None:
+        b = b.min(minmax[0])
+    if minmax[1] is not None:
+        b = b.max(minmax[1])
+    return b
+
+
+def _legend(show: bool = True) -> cb.VizLegendOptions:
+    return (
+        cb.VizLegendOptions()
+        .display_mode(cm.LegendDisplayMode.LIST)
+        .placement(cm.LegendPlacement.BOTTOM)
+        .show_legend(show)
+    )
 
 
 def timeseries(
     title: str,
     description: str,
-    targets: Sequence[Json],
+    targets: Sequence[prometheus.Dataquery],
     *,
     unit: str = "short",
     stack: bool = False,
     bars: bool = False,
-    thresholds: Sequence[tuple[float | None, str]] = ((None, "green"),),
+    thresholds: Sequence[Threshold] = ((None, "green"),),
     minmax: tuple[float | None, float | None] = (None, None),
     w: int = 12,
     h: int = 8,
@@ -160,139 +195,152 @@ def timeseries(
         w: width in grid columns (of 24).
         h: height in grid rows.
     """
-    custom: Json = {
-        "drawStyle": "bars" if bars else "line",
-        "lineWidth": 1,
-        "fillOpacity": 60 if bars else (25 if stack else 10),
-        "showPoints": "never",
-        "spanNulls": False,
-        "stacking": {"mode": "normal" if stack else "none", "group": "A"},
-        "thresholdsStyle": {"mode": "dashed" if len(thresholds) > 1 else "off"},
-    }
-    options: Json = {
-        "legend": {"displayMode": "list", "placement": "bottom", "showLegend": True},
-        "tooltip": {"mode": "multi", "sort": "desc"},
-    }
-    return _panel(
-        "timeseries",
+    b = _common(
+        timeseries_panel.Panel(),
         title,
         description,
         targets,
         unit=unit,
-        options=options,
-        custom=custom,
+        color=dm.FieldColorModeId.PALETTE_CLASSIC,
         thresholds=thresholds,
         minmax=minmax,
-        w=w,
-        h=h,
     )
+    b = (
+        b.draw_style(cm.GraphDrawStyle.BARS if bars else cm.GraphDrawStyle.LINE)
+        .line_width(1)
+        .fill_opacity(60 if bars else (25 if stack else 10))
+        .show_points(cm.VisibilityMode.NEVER)
+        .span_nulls(False)
+        .stacking(
+            cb.StackingConfig()
+            .mode(cm.StackingMode.NORMAL if stack else cm.StackingMode.NONE)
+            .group("A")
+        )
+        .thresholds_style(
+            cb.GraphThresholdsStyleConfig().mode(
+                cm.GraphThresholdsStyleMode.DASHED
+                if len(thresholds) > 1
+                else cm.GraphThresholdsStyleMode.OFF
+            )
+        )
+        .legend(_legend())
+        .tooltip(
+            cb.VizTooltipOptions().mode(cm.TooltipDisplayMode.MULTI).sort(cm.SortOrder.DESCENDING)
+        )
+    )
+    return Panel(b, "timeseries", w, h)
 
 
 def stat(
     title: str,
     description: str,
-    targets: Sequence[Json],
+    targets: Sequence[prometheus.Dataquery],
     *,
     unit: str = "short",
-    thresholds: Sequence[tuple[float | None, str]] = ((None, "green"),),
-    mappings: Sequence[Json] = (),
+    thresholds: Sequence[Threshold] = ((None, "green"),),
+    mappings: Sequence[dm.ValueMap] = (),
     w: int = 6,
     h: int = 4,
 ) -> Panel:
     """Return a stat panel showing each series' last value."""
-    options: Json = {
-        "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
-        "colorMode": "background",
-        "graphMode": "none",
-        "justifyMode": "auto",
-        "orientation": "auto",
-        "textMode": "auto",
-    }
-    return _panel(
-        "stat",
+    b = _common(
+        stat_panel.Panel(),
         title,
         description,
         targets,
         unit=unit,
-        options=options,
+        color=dm.FieldColorModeId.THRESHOLDS,
         thresholds=thresholds,
         mappings=mappings,
-        w=w,
-        h=h,
+    )
+    b = (
+        b.reduce_options(cb.ReduceDataOptions().calcs(["lastNotNull"]).fields("").values(False))
+        .color_mode(cm.BigValueColorMode.BACKGROUND)
+        .graph_mode(cm.BigValueGraphMode.NONE)
+        .justify_mode(cm.BigValueJustifyMode.AUTO)
+        .orientation(cm.VizOrientation.AUTO)
+        .text_mode(cm.BigValueTextMode.AUTO)
+    )
+    return Panel(b, "stat", w, h)
+
+
+def value_map(texts: dict[str, tuple[str, str]]) -> dm.ValueMap:
+    """A value-to-text mapping: ``{"0": ("down", "red"), ...}`` (text, colour per value)."""
+    return dm.ValueMap(
+        options={
+            value: dm.ValueMappingResult(text=text, color=color, index=i)
+            for i, (value, (text, color)) in enumerate(texts.items())
+        }
     )
 
 
-UP_DOWN = (
-    {
-        "type": "value",
-        "options": {
-            "0": {"text": "down", "color": "red", "index": 0},
-            "1": {"text": "up", "color": "green", "index": 1},
-        },
-    },
-)
-ACTIVE = (
-    {
-        "type": "value",
-        "options": {
-            "0": {"text": "-", "color": "transparent", "index": 0},
-            "1": {"text": "active", "color": "orange", "index": 1},
-        },
-    },
-)
+UP_DOWN = (value_map({"0": ("down", "red"), "1": ("up", "green")}),)
+ACTIVE = (value_map({"0": ("-", "transparent"), "1": ("active", "orange")}),)
 
 
 def state_timeline(
     title: str,
     description: str,
-    targets: Sequence[Json],
+    targets: Sequence[prometheus.Dataquery],
     *,
-    mappings: Sequence[Json] = UP_DOWN,
+    mappings: Sequence[dm.ValueMap] = UP_DOWN,
     w: int = 12,
     h: int = 8,
 ) -> Panel:
     """Return a state-timeline panel (0/1 gauges as coloured bands)."""
-    options: Json = {
-        "mergeValues": True,
-        "showValue": "never",
-        "alignValue": "left",
-        "rowHeight": 0.9,
-        "legend": {"displayMode": "list", "placement": "bottom", "showLegend": False},
-        "tooltip": {"mode": "single", "sort": "none"},
-    }
-    return _panel(
-        "state-timeline",
+    b = _common(
+        statetimeline.Panel(),
         title,
         description,
         targets,
         unit="short",
-        options=options,
-        custom={"fillOpacity": 80, "lineWidth": 0},
+        color=dm.FieldColorModeId.THRESHOLDS,
         thresholds=((None, "red"), (1, "green")),
         mappings=mappings,
-        w=w,
-        h=h,
     )
+    b = (
+        b.merge_values(True)
+        .show_value(cm.VisibilityMode.NEVER)
+        .align_value(cm.TimelineValueAlignment.LEFT)
+        .row_height(0.9)
+        .legend(_legend(show=False))
+        .tooltip(cb.VizTooltipOptions().mode(cm.TooltipDisplayMode.SINGLE).sort(cm.SortOrder.NONE))
+        .fill_opacity(80)
+        .line_width(0)
+    )
+    return Panel(b, "state-timeline", w, h)
 
 
 def table(
-    title: str, description: str, targets: Sequence[Json], *, hide: Sequence[str] = (), w: int = 12
+    title: str,
+    description: str,
+    targets: Sequence[prometheus.Dataquery],
+    *,
+    hide: Sequence[str] = (),
+    w: int = 12,
 ) -> Panel:
     """Return a table of instant-query label sets (``Time`` and ``Value`` hidden)."""
-    p = _panel(
-        "table",
+    b = _common(
+        table_panel.Panel(),
         title,
         description,
         targets,
         unit="short",
-        options={"showHeader": True, "cellHeight": "sm", "footer": {"show": False}},
-        w=w,
+        color=dm.FieldColorModeId.THRESHOLDS,
+        thresholds=((None, "green"),),
     )
     excluded = {name: True for name in ("Time", "Value", "__name__", *hide)}
-    p.body["transformations"] = [
-        {"id": "organize", "options": {"excludeByName": excluded, "renameByName": {}}}
-    ]
-    return p
+    b = (
+        b.show_header(True)
+        .cell_height(cm.TableCellHeight.SM)
+        .footer(cb.TableFooterOptions().show(False).reducer([]))
+        .with_transformation(
+            dm.DataTransformerConfig(
+                id_val="organize", options={"excludeByName": excluded, "renameByName": {}}
+            )
+        )
+    )
+    return Panel(b, "table", w)
 
 
 @dataclass
@@ -305,41 +353,36 @@ class Row:
 Item = Panel | Row
 
 
-def _variable(name: str, label: str, query: str, *, multi: bool = True) -> Json:
-    return {
-        "type": "query",
-        "name": name,
-        "label": label,
-        "datasource": DS,
-        "query": {"query": query, "refId": f"{name}-var"},
-        "definition": query,
-        "refresh": 2,  # on time range change: agents, engines and GPUs come and go
-        "sort": 1,
-        "multi": multi,
-        "includeAll": True,
-        "allValue": ".*",
-        "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
-        "options": [],
-        "hide": 0,
-        "regex": "",
-    }
+def _variable(name: str, label: str, query: str, *, multi: bool = True) -> db.QueryVariable:
+    return (
+        db.QueryVariable(name)
+        .label(label)
+        .datasource(DS)
+        .query({"query": query, "refId": f"{name}-var"})
+        .refresh(dm.VariableRefresh.ON_TIME_RANGE_CHANGED)  # agents, engines, GPUs come and go
+        .sort(dm.VariableSort.ALPHABETICAL_ASC)
+        .multi(multi)
+        .include_all(True)
+        .all_value(".*")
+        .current(dm.VariableOption(selected=True, text=["All"], value=["$__all"]))
+        .options([])
+        .hide(dm.VariableHide.DONT_HIDE)
+        .regex("")
+    )
 
 
-def variables() -> list[Json]:
+def variables() -> list[Any]:
     """Return the template variables every dashboard has: datasource, job, instance, engine, gpu."""
-    datasource = {
-        "type": "datasource",
-        "name": "datasource",
-        "label": "Data source",
-        "query": "prometheus",
-        "current": {"selected": False, "text": "Prometheus", "value": "${DS_PROMETHEUS}"},
-        "options": [],
-        "hide": 0,
-        "refresh": 1,
-        "regex": "",
-        "includeAll": False,
-        "multi": False,
-    }
+    datasource = (
+        db.DatasourceVariable("datasource")
+        .label("Data source")
+        .type("prometheus")
+        .current(dm.VariableOption(selected=False, text="Prometheus", value="${DS_PROMETHEUS}"))
+        .hide(dm.VariableHide.DONT_HIDE)
+        .regex("")
+        .include_all(False)
+        .multi(False)
+    )
     return [
         datasource,
         _variable("job", "Job", "label_values(kvpressure_build_info, job)"),
@@ -349,38 +392,33 @@ def variables() -> list[Json]:
     ]
 
 
-def _layout(items: Sequence[Item]) -> list[Json]:
-    """Assign ids and grid positions: rows span the width, panels fill left to right."""
-    panels: list[Json] = []
+def _layout(board: db.Dashboard, items: Sequence[Item]) -> db.Dashboard:
+    """Add ``items`` with ids and grid positions (rows span the width, panels fill rows)."""
     x = y = row_h = 0
     for pid, item in enumerate(items, start=1):
         if isinstance(item, Row):
             if x:
                 y += row_h
-            panels.append(
-                {
-                    "type": "row",
-                    "id": pid,
-                    "title": item.title,
-                    "collapsed": False,
-                    "gridPos": {"h": 1, "w": 24, "x": 0, "y": y},
-                    "panels": [],
-                }
+            board = board.with_row(
+                db.Row(item.title)
+                .id(pid)
+                .collapsed(False)
+                .grid_pos(dm.GridPos(h=1, w=24, x=0, y=y))
             )
             x, y, row_h = 0, y + 1, 0
             continue
         if x + item.w > 24:
             x, y, row_h = 0, y + row_h, 0
-        panels.append(
-            {"id": pid, "gridPos": {"h": item.h, "w": item.w, "x": x, "y": y}, **item.body}
+        board = board.with_panel(
+            item.builder.id(pid).grid_pos(dm.GridPos(h=item.h, w=item.w, x=x, y=y))
         )
         x += item.w
         row_h = max(row_h, item.h)
-    return panels
+    return board
 
 
 def _requires(items: Sequence[Item]) -> list[Json]:
-    kinds = sorted({i.body["type"] for i in items if isinstance(i, Panel)})
+    kinds = sorted({i.kind for i in items if isinstance(i, Panel)})
     names = {
         "timeseries": "Time series",
         "stat": "Stat",
@@ -392,6 +430,19 @@ def _requires(items: Sequence[Item]) -> list[Json]:
         {"type": "datasource", "id": "prometheus", "name": "Prometheus", "version": "1.0.0"},
         *({"type": "panel", "id": k, "name": names[k], "version": ""} for k in kinds),
     ]
+
+
+INPUTS: list[Json] = [
+    {
+        "name": "DS_PROMETHEUS",
+        "label": "Prometheus",
+        "description": "Prometheus that scrapes the kvpressure agents",
+        "type": "datasource",
+        "pluginId": "prometheus",
+        "pluginName": "Prometheus",
+    }
+]
+"""The export's data source input (Grafana asks for it on import)."""
 
 
 @dataclass
@@ -408,64 +459,61 @@ class Dashboard:
         """The committed file name, ``<uid>.json``."""
         return f"{self.uid}.json"
 
+    def builder(self) -> db.Dashboard:
+        """The SDK dashboard builder with every panel, variable, link and annotation."""
+        board = (
+            db.Dashboard(self.title)
+            .uid(self.uid)
+            .description(self.description)
+            .tags([TAG])
+            .editable()
+            .fiscal_year_start_month(0)
+            .tooltip(dm.DashboardCursorSync.CROSSHAIR)
+            .refresh("30s")
+            .time("now-3h", "now")
+            .timezone("browser")
+            .version(1)
+            .week_start("")
+            .annotation(
+                db.AnnotationQuery()
+                .built_in(1)
+                .datasource(dm.DataSourceRef(type_val="grafana", uid="-- Grafana --"))
+                .enable(True)
+                .hide(True)
+                .icon_color("rgba(0, 211, 255, 1)")
+                .name("Annotations & Alerts")
+                .type("dashboard")
+            )
+            .link(
+                db.DashboardLink("kvpressure")
+                .type(dm.DashboardLinkType.DASHBOARDS)
+                .tags([TAG])
+                .as_dropdown(True)
+                .include_vars(True)
+                .keep_time(True)
+                .icon("external link")
+                .target_blank(False)
+                .tooltip("")
+                .url("")
+            )
+        )
+        for v in variables():
+            board = board.with_variable(v)
+        return _layout(board, self.items)
+
     def to_json(self) -> Json:
-        """Return the importable dashboard JSON model."""
+        """Return the importable dashboard JSON model (the SDK's, plus the export fields)."""
+        model = to_json(self.builder())
+        if model.get("schemaVersion") != SCHEMA_VERSION:
+            raise RuntimeError(
+                f"grafana-foundation-sdk writes schemaVersion {model.get('schemaVersion')}, "
+                f"not {SCHEMA_VERSION}: install the pinned release"
+            )
         return {
-            "__inputs": [
-                {
-                    "name": "DS_PROMETHEUS",
-                    "label": "Prometheus",
-                    "description": "Prometheus that scrapes the kvpressure agents",
-                    "type": "datasource",
-                    "pluginId": "prometheus",
-                    "pluginName": "Prometheus",
-                }
-            ],
+            "__inputs": INPUTS,
             "__requires": _requires(self.items),
-            "annotations": {
-                "list": [
-                    {
-                        "builtIn": 1,
-                        "datasource": {"type": "grafana", "uid": "-- Grafana --"},
-                        "enable": True,
-                        "hide": True,
-                        "iconColor": "rgba(0, 211, 255, 1)",
-                        "name": "Annotations & Alerts",
-                        "type": "dashboard",
-                    }
-                ]
-            },
-            "description": self.description,
-            "editable": True,
-            "fiscalYearStartMonth": 0,
-            "graphTooltip": 1,
             "id": None,
-            "links": [
-                {
-                    "type": "dashboards",
-                    "title": "kvpressure",
-                    "tags": [TAG],
-                    "asDropdown": True,
-                    "includeVars": True,
-                    "keepTime": True,
-                    "icon": "external link",
-                    "targetBlank": False,
-                    "tooltip": "",
-                    "url": "",
-                }
-            ],
-            "panels": _layout(self.items),
-            "refresh": "30s",
-            "schemaVersion": SCHEMA_VERSION,
-            "tags": [TAG],
-            "templating": {"list": variables()},
-            "time": {"from": "now-3h", "to": "now"},
-            "timepicker": {},
-            "timezone": "browser",
-            "title": self.title,
-            "uid": self.uid,
-            "version": 1,
-            "weekStart": "",
+            **model,
         }
 
 
@@ -1126,11 +1174,20 @@ def agent_health() -> Dashboard:
 REQUEST = f'{JOB}, engine=~"$engine"'  # request metrics carry engine but no engine instance
 
 
-def _quantile(phase: str, quantile: float) -> Json:
+def _quantile(phase: str, quantile: float) -> prometheus.Dataquery:
     bucket = sel("kvpressure_request_latency_seconds_bucket", REQUEST, f'phase="{phase}"')
     return q(
         f"histogram_quantile({quantile}, sum by (engine, le) (rate({bucket}[$__rate_interval])))",
         f"{{{{engine}}}} {phase} p{round(quantile * 100)}",
+    )
+
+
+def _engine_quantile(phase: str, quantile: float) -> prometheus.Dataquery:
+    bucket = sel("kvpressure_engine_request_latency_seconds_bucket", ENGINE, f'phase="{phase}"')
+    return q(
+        f"histogram_quantile({quantile}, "
+        f"sum by (engine, model, le) (rate({bucket}[$__rate_interval])))",
+        f"{{{{engine}}}} {{{{model}}}} p{round(quantile * 100)}",
     )
 
 
@@ -1143,6 +1200,20 @@ def tail_latency() -> Dashboard:
                 f"{phase.upper()} p50 and p99",
                 f"{phase.upper()} quantiles from the request latency histogram.",
                 [_quantile(phase, 0.5), _quantile(phase, 0.99)],
+                unit="s",
+                w=8,
+            )
+            for phase in ("ttft", "itl", "e2e")
+        ),
+        Row("Engine latency (the engines' own histograms)"),
+        *(
+            timeseries(
+                f"Engine {phase.upper()} p50 and p99 per model",
+                f"{phase.upper()} quantiles per engine and model over every selected node and "
+                "engine instance, from kvpressure_engine_request_latency_seconds (the engines' "
+                "histograms re-bucketed into one OpenTelemetry GenAI layout per phase, so they "
+                "sum across instances). Needs no request proxy.",
+                [_engine_quantile(phase, 0.5), _engine_quantile(phase, 0.99)],
                 unit="s",
                 w=8,
             )

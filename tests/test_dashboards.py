@@ -168,3 +168,20 @@ def test_alerts_and_dashboards_point_at_each_other():
     descriptions = " ".join(p["description"] for d in DASHBOARDS.values() for p in panels(d))
     named = set(re.findall(r"Kvpressure[A-Za-z]+", descriptions))
     assert named <= alerts, f"panel descriptions name unknown alerts: {named - alerts}"
+
+
+@pytest.mark.parametrize("name", sorted(DASHBOARDS))
+def test_dashboard_round_trips_through_grafanas_typed_model(name):
+    """Built with grafana-foundation-sdk: the committed JSON decodes into the SDK's typed
+    dashboard model (generated from Grafana's schema) and encodes back to itself, so it
+    holds nothing outside that schema but the export fields (__inputs, __requires, id)."""
+    from grafana_foundation_sdk.cog.encoder import JSONEncoder
+    from grafana_foundation_sdk.models import dashboard as dm
+
+    d = DASHBOARDS[name]
+    model = dm.Dashboard.from_json(d)
+    assert model.schema_version == build.SCHEMA_VERSION
+    assert {type(p).__name__ for p in model.panels or []} <= {"Panel", "RowPanel"}
+    again = json.loads(JSONEncoder().encode(model))
+    assert again == {k: v for k, v in d.items() if k not in ("__inputs", "__requires", "id")}
+    assert {"__inputs", "__requires", "id"} <= d.keys()

@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from agent.catalogue import CATALOGUE
+from agent.catalogue import metric_of_sample
 from agent.samplers.engines import ENGINE_TYPES, EngineSampler, make_engine_sampler, probe
 from agent.samples import Batch
 
@@ -172,8 +172,11 @@ def check_golden(batch: Batch, instance: str, name: str) -> None:
 
 def assert_catalogued(batch: Batch) -> None:
     for smp in batch.samples:
-        metric = CATALOGUE[smp.name]
-        allowed = set(metric.labels) | PENDING_LABELS.get(smp.name, set())
+        metric = metric_of_sample(smp.name)
+        assert metric is not None, smp
+        allowed = set(metric.labels) | PENDING_LABELS.get(metric.name, set())
+        if smp.name == metric.name + "_bucket":
+            allowed.add("le")
         assert {k for k, _ in smp.labels} <= allowed, smp
 
 

@@ -1012,3 +1012,51 @@ def test_issue17_impossible_memory_and_utilization_readings_are_dropped_rest_kep
     assert get(b, "kvpressure_gpu_memory_used_bytes") == 80 * GIB
     assert get(b, "kvpressure_gpu_utilization_ratio") == 0.5
     assert _dropped(b, "memory_above_total") == 1  # cumulative, nothing new
+
+
+def test_process_in_a_pod_gets_pod_uid_from_cgroup_and_names_from_pod_resources(tmp_path):
+    """Issue 16 point 5: pod_uid from /proc/PID/cgroup; namespace, pod, container only from
+    the kubelet's device assignment, and only for a process the cgroup puts in a pod."""
+    uid = "6f1c2b3a-4d5e-4f60-8a9b-0c1d2e3f4a5b"
+    cid = "ab" * 32
+    proc = tmp_path / "proc"
+    (proc / "4242").mkdir(parents=True)
+    (proc / "4242" / "stat").write_text("4242 (python3) S 1 4242 4242 0 -1 4194560\n")
+    (proc / "4242" / "cgroup").write_text(
+        "0::/kubepods.slice/kubepods-burstable.slice/"
+        f"kubepods-burstable-pod{uid.replace('-', '_')}.slice/cri-containerd-{cid}.scope\n"
+    )
+    s, _f, _c = make("h200", procfs_root=str(proc))
+    b = collect(s)
+    rows = [dict(x.labels) for x in b.samples if x.name == "kvpressure_gpu_process_memory_bytes"]
+    mine = next(r for r in rows if r["pid"] == "4242")
+    assert mine["pod_uid"] == uid
+    assert not {"pod", "namespace", "container"} & mine.keys()  # no name source: absent
+
+    assignments = {mine["uuid"]: ("llm", "vllm-0", "vllm")}
+    s2, _f2, _c2 = make("h200", procfs_root=str(proc), pod_names=lambda: assignments)
+    b2 = collect(s2)
+    rows2 = [dict(x.labels) for x in b2.samples if x.name == "kvpressure_gpu_process_memory_bytes"]
+    mine2 = next(r for r in rows2 if r["pid"] == "4242")
+    assert (mine2["namespace"], mine2["pod"], mine2["container"]) == ("llm", "vllm-0", "vllm")
+    # the same process on the same assigned GPU, but a host cgroup: no pod, so no names
+    (proc / "4242" / "cgroup").write_text("0::/system.slice/vllm.service\n")
+    s3, _f3, _c3 = make("h200", procfs_root=str(proc), pod_names=lambda: assignments)
+    rows3 = [dict(x.labels) for x in collect(s3).samples if x.name.endswith("process_memory_bytes")]
+    mine3 = next(r for r in rows3 if r["pid"] == "4242")
+    assert not {"pod_uid", "pod", "namespace", "container"} & mine3.keys()
+
+
+def test_engine_pod_info_joins_an_engine_to_its_pod(tmp_path):
+    uid = "6f1c2b3a-4d5e-4f60-8a9b-0c1d2e3f4a5b"
+    proc = tmp_path / "proc"
+    (proc / "4242").mkdir(parents=True)
+    (proc / "4242" / "stat").write_text("4242 (python3) S 1 4242 4242 0 -1 4194560\n")
+    (proc / "4242" / "cgroup").write_text(f"0::/kubepods/besteffort/pod{uid}/{'cd' * 32}\n")
+    s, _f, _c = make("h200", procfs_root=str(proc), engine_pids=lambda: {4242: "vllm"})
+    b = collect(s)
+    info = [dict(x.labels) for x in b.samples if x.name == "kvpressure_engine_pod_info"]
+    assert info == [{"engine": "vllm", "pod_uid": uid}]
+    # without the engine join, or outside a pod, there is no info series
+    s2, _f2, _c2 = make("h200", procfs_root=str(proc))
+    assert not [x for x in collect(s2).samples if x.name == "kvpressure_engine_pod_info"]

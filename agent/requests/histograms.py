@@ -296,3 +296,108 @@ def sum_windows(deltas: Iterable[HistogramSnapshot | None]) -> HistogramSnapshot
         if summed is not None:
             total = summed
     return total
+
+
+# --- one bucket layout for aggregation ---------------------------------------------------------
+#
+# The OpenTelemetry GenAI semantic conventions ("Semantic conventions for generative AI
+# metrics", https://opentelemetry.io/docs/specs/semconv/gen-ai/gen-ai-metrics/) advise the
+# explicit bucket boundaries below for the model-server histograms. Engines each pick their
+# own buckets (vLLM's inter-token buckets run to 80 s, SGLang's TTFT buckets differ from
+# vLLM's, Triton's are in microseconds), and two histograms with different ``le`` sets cannot
+# be summed by ``sum by (le)``; re-bucketed into these, every engine and instance can.
+
+GENAI_TTFT_BOUNDS_S: Final = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+)  # fmt: skip
+"""``gen_ai.server.time_to_first_token`` advisory bucket bounds (seconds)."""
+
+GENAI_TPOT_BOUNDS_S: Final = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+)  # fmt: skip
+"""``gen_ai.server.time_per_output_token`` advisory bucket bounds (seconds)."""
+
+GENAI_REQUEST_DURATION_BOUNDS_S: Final = (
+    0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92,
+)  # fmt: skip
+"""``gen_ai.server.request.duration`` advisory bucket bounds (seconds)."""
+
+_BOUND_RTOL: Final = 1e-9
+"""Relative tolerance when comparing an engine bound with a target bound (``100 ms *
+1e-3`` is not exactly ``0.1`` in binary floating point)."""
+
+
+def rebucket(snap: HistogramSnapshot, bounds: Sequence[float]) -> HistogramSnapshot:
+    """Re-bucket a cumulative histogram into fixed upper ``bounds``, conservatively.
+
+    Rule: the target bucket ``le=t`` counts the observations of every engine bucket whose
+    upper bound is ``<= t`` (within a relative 1e-9), i.e. the engine's cumulative count at
+    its largest bound not above ``t`` (0 when the engine has none). An engine bucket whose
+    upper bound falls between two target bounds is thereby moved *up* to the next target
+    bound, and one above the last finite target bound lands in ``+Inf``: a re-bucketed
+    quantile is never lower than the engine's own buckets can justify (latency is never
+    under-reported), at the price of at most one target bucket of over-estimate. Bounds
+    shared by both layouts keep their exact counts; ``+Inf`` keeps the total.
+
+    Args:
+        snap: the engine's cumulative histogram (bounds in seconds, last ``+inf``).
+        bounds: the target finite upper bounds, strictly increasing, in seconds.
+
+    Returns:
+        A snapshot with bounds ``(*bounds, +inf)``, the same count and ``_sum``.
+    """
+    out: list[float] = []
+    i = -1  # index of the largest engine bound <= the current target bound
+    n = len(snap.bounds)
+    for t in bounds:
+        while i + 1 < n and snap.bounds[i + 1] <= t * (1.0 + _BOUND_RTOL):
+            i += 1
+        out.append(snap.cumulative[i] if i >= 0 else 0.0)
+    out.append(snap.count)
+    return HistogramSnapshot((*bounds, math.inf), tuple(out), snap.sum)
+
+
+class CumulativeHistogram:
+    """Reset-aware re-export of one cumulative histogram series (fixed bucket layout).
+
+    The exported histogram starts at the first snapshot seen and then grows by the
+    observations between successive snapshots; when the engine restarts (any bucket or the
+    count went down) the post-restart snapshot is added whole, so the export never goes
+    down, like the counters re-exported by the engine normalizer.
+    """
+
+    def __init__(self) -> None:
+        self._last: HistogramSnapshot | None = None
+        self._total: HistogramSnapshot | None = None
+        self.resets = 0
+        """Engine resets seen."""
+
+    @property
+    def total(self) -> HistogramSnapshot | None:
+        """The re-exported cumulative histogram, ``None`` before the first update."""
+        return self._total
+
+    def update(self, snap: HistogramSnapshot) -> bool:
+        """Add the engine's newest cumulative snapshot.
+
+        Args:
+            snap: the engine's histogram, in the same bucket layout every time (re-bucket
+                it with :func:`rebucket` first); a snapshot with another layout replaces
+                the export (counted as a reset).
+
+        Returns:
+            True when the snapshot revealed a reset.
+        """
+        last, total = self._last, self._total
+        self._last = snap
+        if last is None or total is None:
+            self._total = snap
+            return False
+        delta = snap.minus(last)
+        reset = delta is None
+        if delta is None:
+            self.resets += 1
+            delta = snap
+        summed = total.plus(delta)
+        self._total = summed if summed is not None else snap
+        return reset

@@ -159,6 +159,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Final
 
+from agent.kube import PodRef, pod_of_pid
 from agent.samplers import nvml_binding as nb
 from agent.samplers.base import LogOnce, Sampler
 from agent.samples import Batch, Labels, Sample, make_labels
@@ -237,6 +238,10 @@ DISAGREE_USED_MIN_BYTES: Final = float(2**30)
 StateView = Callable[[str], dict[Labels, float]]
 """``AgentState.latest``: metric name → {labels: current value}."""
 EnginePids = Callable[[], dict[int, str]]
+
+PodNames = Callable[[], dict[str, tuple[str, str, str]]]
+"""Returns GPU UUID (or MIG UUID) -> ``(namespace, pod, container)`` of the one container
+the kubelet assigned that device to (:func:`agent.podresources.gpu_assignments`)."""
 """PID → engine name (the ``engine`` label) of the engine processes the agent knows."""
 
 
@@ -489,7 +494,7 @@ class _Leaf:
     static_key: tuple[str, str, str] | None = None
     _lab: dict[tuple[str, str], Labels] = field(default_factory=dict)
     _clocks: tuple[int, tuple[Sample, ...]] | None = None
-    _plab: dict[tuple[int, str, str | None], Labels] = field(default_factory=dict)
+    _plab: dict[tuple[Any, ...], Labels] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.labels = make_labels({"gpu": str(self.gpu), "uuid": self.uuid, "mig": self.mig})
@@ -519,13 +524,26 @@ class _Leaf:
         self._clocks = (mask, samples)
         return samples
 
-    def process_labels(self, pid: int, process: str, engine: str | None) -> Labels:
-        """Labels of a per-process memory sample (cached; the cache follows live PIDs)."""
-        key = (pid, process, engine)
+    def process_labels(
+        self,
+        pid: int,
+        process: str,
+        engine: str | None,
+        pod: PodRef | None = None,
+        names: tuple[str, str, str] | None = None,
+    ) -> Labels:
+        """Labels of a per-process memory sample (cached; the cache follows live PIDs).
+
+        ``pod_uid`` comes from the process's cgroup path; ``namespace``, ``pod`` and
+        ``container`` from ``names`` (the kubelet's assignment of this device), each absent
+        when unknown, never empty.
+        """
+        key = (pid, process, engine, pod, names)
         out = self._plab.get(key)
         if out is None:
             if len(self._plab) > 4096:
                 self._plab.clear()
+            namespace, pod_name, container = names or (None, None, None)
             out = make_labels(
                 {
                     "gpu": str(self.gpu),
@@ -534,6 +552,10 @@ class _Leaf:
                     "pid": str(pid),
                     "process": process or None,
                     "engine": engine,
+                    "pod_uid": pod.pod_uid if pod is not None else None,
+                    "namespace": namespace,
+                    "pod": pod_name,
+                    "container": container,
                 }
             )
             self._plab[key] = out
@@ -679,7 +701,11 @@ class GpuSampler(Sampler):
         backoff_base_s: first retry delay after a GPU or NVML failure, seconds.
         backoff_cap_s: longest retry delay, seconds.
         clock: monotonic seconds (tests pass the fake's clock).
-        procfs_root: where ``<pid>/stat`` is read for the parent-PID walk.
+        procfs_root: where ``<pid>/stat`` is read for the parent-PID walk, and
+            ``<pid>/cgroup`` for the process's Kubernetes pod (:mod:`agent.kube`).
+        pod_names: device UUID -> ``(namespace, pod, container)`` from the kubelet's
+            pod-resources socket, or ``None``; names a process's pod only when its cgroup
+            puts it in a pod.
         driver_version_file: read for the kernel module version in driver-mismatch logs.
         **threshold_overrides: individual thresholds, e.g. ``idle_utilization_below=0.05``.
     """
@@ -701,6 +727,7 @@ class GpuSampler(Sampler):
         clock: Callable[[], float] = time.monotonic,
         procfs_root: str = "/proc",
         driver_version_file: str = "/proc/driver/nvidia/version",
+        pod_names: PodNames | None = None,
         **threshold_overrides: float,
     ) -> None:
         super().__init__(interval_s, timeout_s)
@@ -732,6 +759,9 @@ class GpuSampler(Sampler):
         self._handle_index: dict[int, int] = {}
         self._xid: dict[int, Counter[int]] = {}
         self._proc_names: dict[int, str] = {}
+        self._pods: dict[int, PodRef | None] = {}
+        self._pod_names = pod_names
+        self._pod_names_now: dict[str, tuple[str, str, str]] = {}
         self._ancestors: dict[int, tuple[int, ...]] = {}
         self._token_last: dict[str, tuple[frozenset[Labels], float]] = {}
         self._max_dt = max(5.0 * interval_s, 5.0)
@@ -1278,6 +1308,7 @@ class GpuSampler(Sampler):
                 found.append((pid, used))
                 if pid not in self._proc_names:
                     self._proc_names[pid] = self._process_name(nvml_pid)
+                    self._pods[pid] = pod_of_pid(pid, self._procfs)
             leaf.processes = r.processes = found
         return r
 
@@ -1584,6 +1615,13 @@ class GpuSampler(Sampler):
                 self._log_once("engine_pids", logging.WARNING, "engine_pids() failed: %r", exc)
                 self._pids_cache = {}
         pids = self._pids_cache or {}
+        if self._pod_names is not None and any(r.slow for r in readings.values()):
+            # pod assignments change with the process lists: on the slow cadence too
+            try:
+                self._pod_names_now = dict(self._pod_names())
+            except Exception as exc:  # noqa: BLE001 - a broken provider must not stop sampling
+                self._log_once("pod_names", logging.WARNING, "pod_names() failed: %r", exc)
+                self._pod_names_now = {}
         seen_pids: set[int] = set()
         leaf_engines: dict[int, set[str]] = {}
         mapped: set[str] = set()
@@ -1603,8 +1641,10 @@ class GpuSampler(Sampler):
         unmapped = engines.names - mapped
         for pid in [p for p in list(self._proc_names) if p not in seen_pids]:
             self._proc_names.pop(pid, None)
+            self._pods.pop(pid, None)
         for pid in [p for p in self._ancestors if p not in seen_pids]:
             del self._ancestors[pid]
+        engine_pods: set[tuple[str, str, tuple[str, str, str] | None]] = set()
         for g in self._gpus:
             got = readings.get(g.index)
             if got is None:
@@ -1614,8 +1654,21 @@ class GpuSampler(Sampler):
                 self._log_once.reset(f"gpu{g.index}:down")
                 g.down_reason = ""
             g.backoff.ok()
-            self._emit_gpu(batch, g, got, engines, leaf_engines, unmapped, proc_engine, now)
+            self._emit_gpu(
+                batch, g, got, engines, leaf_engines, unmapped, proc_engine, now, engine_pods
+            )
             g.last_ok_t = now
+        for engine, pod_uid, names in sorted(engine_pods, key=lambda e: (e[0], e[1], e[2] or ())):
+            namespace, pod, container = names or (None, None, None)
+            batch.add(
+                "kvpressure_engine_pod_info",
+                1,
+                engine=engine,
+                pod_uid=pod_uid,
+                namespace=namespace,
+                pod=pod,
+                container=container,
+            )
 
     def _emit_gpu(
         self,
@@ -1627,6 +1680,7 @@ class GpuSampler(Sampler):
         unmapped: set[str],
         proc_engine: dict[int, str | None],
         now: float,
+        engine_pods: set[tuple[str, str, tuple[str, str, str] | None]],
     ) -> None:
         out = batch.samples
         phys = reading.leaves[0]
@@ -1674,7 +1728,14 @@ class GpuSampler(Sampler):
             if lr.clocks is not None:
                 out.extend(leaf.clock_samples(lr.clocks))
             for pid, used in lr.processes or ():
-                plab = leaf.process_labels(pid, self._proc_names.get(pid, ""), proc_engine.get(pid))
+                pod = self._pods.get(pid)
+                names = self._pod_names_now.get(leaf.uuid) if pod is not None else None
+                plab = leaf.process_labels(
+                    pid, self._proc_names.get(pid, ""), proc_engine.get(pid), pod, names
+                )
+                engine = proc_engine.get(pid)
+                if pod is not None and engine is not None:
+                    engine_pods.add((engine, pod.pod_uid, names))
                 out.append(Sample("kvpressure_gpu_process_memory_bytes", used, plab))
             if leaf.host_memory and lr.processes is not None:
                 used_sum = math.fsum(u for _, u in lr.processes)

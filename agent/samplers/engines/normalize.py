@@ -64,6 +64,17 @@ in the window). Beside the quantiles, the number of observations in the window i
 (:func:`window_observations_name`, e.g. ``kvpressure_engine_latency_window_observations``),
 also when it is below ``min_count``: an absent quantile then says why.
 
+Aggregatable latency (issue 16, point 4): a rule with ``export`` (every :func:`latency`
+rule) also re-exports its source as a cumulative Prometheus histogram,
+``kvpressure_engine_request_latency_seconds{phase}``, in one bucket layout per phase whatever
+the engine (:data:`PHASE_BUCKETS`, the OpenTelemetry GenAI advisory buckets). Each raw
+series is re-bucketed conservatively (:func:`~agent.requests.histograms.rebucket`: an
+engine bucket whose bound is not a target bound counts in the next target bound above it,
+beyond the last one in ``+Inf``), re-exported reset-aware
+(:class:`~agent.requests.histograms.CumulativeHistogram`) and summed per output group like
+the windows, so ``histogram_quantile(q, sum by (le) (rate(..._bucket[5m])))`` combines
+instances, engines and pods.
+
 Counters the engine never increments for a model (:data:`TRAFFIC_COUNTERS` still 0 while
 another of them moved for that model) are withheld, never exported as zero traffic (issue
 17, kind 6).
@@ -90,8 +101,13 @@ from agent.logs import RateLimitedLog
 from agent.requests.histograms import (
     DEFAULT_MIN_COUNT,
     DEFAULT_WINDOW_S,
+    GENAI_REQUEST_DURATION_BOUNDS_S,
+    GENAI_TPOT_BOUNDS_S,
+    GENAI_TTFT_BOUNDS_S,
+    CumulativeHistogram,
     HistogramSnapshot,
     WindowedHistogram,
+    rebucket,
     sum_windows,
     window_quantile,
 )
@@ -162,6 +178,10 @@ class Rule:
         quantiles: for ``histogram`` rules, the quantiles emitted (label ``percentile``).
         min_count: for ``histogram`` rules, fewest observations in the window for a
             quantile.
+        export: for ``histogram`` rules, the catalogue histogram the source is also
+            re-exported as (cumulative, reset-aware, re-bucketed into ``buckets`` by
+            :func:`~agent.requests.histograms.rebucket`); empty for none.
+        buckets: the finite upper bounds (seconds) of ``export``'s bucket layout.
     """
 
     canonical: str
@@ -176,6 +196,30 @@ class Rule:
     per_model: bool = True
     quantiles: tuple[float, ...] = QUANTILES
     min_count: float = DEFAULT_MIN_COUNT
+    export: str = ""
+    buckets: tuple[float, ...] = ()
+
+
+ENGINE_LATENCY_HISTOGRAM: Final = "kvpressure_engine_request_latency_seconds"
+"""The catalogue histogram every engine's latency is re-exported as, in one layout per
+phase (:data:`PHASE_BUCKETS`)."""
+
+PHASE_BUCKETS: Final[Mapping[str, tuple[float, ...]]] = {
+    "ttft": GENAI_TTFT_BOUNDS_S,
+    "itl": GENAI_TPOT_BOUNDS_S,
+    "e2e": GENAI_REQUEST_DURATION_BOUNDS_S,
+    "queue": GENAI_REQUEST_DURATION_BOUNDS_S,
+    "prefill": GENAI_REQUEST_DURATION_BOUNDS_S,
+    "decode": GENAI_REQUEST_DURATION_BOUNDS_S,
+    "inference": GENAI_REQUEST_DURATION_BOUNDS_S,
+    "batch_prefill": GENAI_REQUEST_DURATION_BOUNDS_S,
+    "batch_decode": GENAI_REQUEST_DURATION_BOUNDS_S,
+}
+"""Bucket layout of :data:`ENGINE_LATENCY_HISTOGRAM` per ``phase``: the OpenTelemetry GenAI
+advisory bounds of ``gen_ai.server.time_to_first_token`` (ttft),
+``gen_ai.server.time_per_output_token`` (itl) and ``gen_ai.server.request.duration`` (every
+other phase, whole-request stages and TGI's batch forward passes). The same for every
+engine and instance, so ``sum by (le)`` across them is exact."""
 
 
 def latency(phase: str, *sources: str, scale: float = 1.0, **labels: str) -> Rule:
@@ -187,6 +231,13 @@ def latency(phase: str, *sources: str, scale: float = 1.0, **labels: str) -> Rul
         *sources: histogram family names, first present wins.
         scale: factor from the engine's ``le`` unit to seconds (``1e-3`` for ms).
         **labels: source label filter (see :attr:`Rule.labels`).
+
+    Returns:
+        The rule: windowed percentile gauges, and the source re-exported as
+        :data:`ENGINE_LATENCY_HISTOGRAM` in the phase's :data:`PHASE_BUCKETS` layout.
+
+    Raises:
+        KeyError: ``phase`` has no bucket layout.
     """
     return Rule(
         "kvpressure_engine_latency_seconds",
@@ -195,6 +246,8 @@ def latency(phase: str, *sources: str, scale: float = 1.0, **labels: str) -> Rul
         kind="histogram",
         labels=tuple(labels.items()),
         out_labels=(("phase", phase),),
+        export=ENGINE_LATENCY_HISTOGRAM,
+        buckets=PHASE_BUCKETS[phase],
     )
 
 
@@ -716,6 +769,7 @@ class Normalizer:
         self._dropped: frozenset[str] = frozenset()
         self._scrape = 0
         self._hist: dict[tuple[str, LabelPairs, LabelPairs], tuple[WindowedHistogram, int]] = {}
+        self._cumulative: dict[tuple[str, LabelPairs, LabelPairs], CumulativeHistogram] = {}
         self._ratios: dict[tuple[str, str | None], deque[tuple[float, float, float]]] = {}
         self._log = LogOnce(log)
         self._warn = RateLimitedLog(log, 60.0)
@@ -976,6 +1030,7 @@ class Normalizer:
         sum_of = {tuple(sorted(s.labels.items())): s.value for s in sums}
         reset_seen = False
         group_deltas: dict[tuple[str | None, LabelPairs], list[HistogramSnapshot | None]] = {}
+        group_totals: dict[tuple[str | None, LabelPairs], list[HistogramSnapshot | None]] = {}
         for key, pairs in raw.items():
             labels = dict(key)
             extra = _extra_labels(rule, labels)
@@ -996,6 +1051,11 @@ class Normalizer:
             if window.update(now, snap):
                 reset_seen = True
             group_deltas.setdefault((model, extra), []).append(window.window(now))
+            if rule.export:
+                hkey = (rule.canonical + "|" + used, extra, key)
+                cum = self._cumulative.setdefault(hkey, CumulativeHistogram())
+                cum.update(rebucket(snap, rule.buckets))
+                group_totals.setdefault((model, extra), []).append(cum.total)
         for (model, extra), deltas in group_deltas.items():
             delta = sum_windows(deltas)
             if delta is not None:
@@ -1006,7 +1066,27 @@ class Normalizer:
                 value = window_quantile(delta, q, rule.min_count)
                 if value is not None:
                     self._emit(out, rule.canonical, model, value, (*extra, ("percentile", _pct(q))))
+        for (model, extra), totals in group_totals.items():
+            hist = sum_windows(totals)
+            if hist is not None:
+                self._emit_histogram(out, rule.export, model, hist, extra)
         return reset_seen
+
+    def _emit_histogram(
+        self,
+        out: NormalizedScrape,
+        name: str,
+        model: str | None,
+        hist: HistogramSnapshot,
+        extra: LabelPairs,
+    ) -> None:
+        """Emit ``name``'s ``_bucket`` (per bound), ``_count`` and, if known, ``_sum``."""
+        for bound, cum in zip(hist.bounds, hist.cumulative, strict=True):
+            le = "+Inf" if math.isinf(bound) else repr(float(bound))
+            self._emit(out, f"{name}_bucket", model, cum, (*extra, ("le", le)))
+        self._emit(out, f"{name}_count", model, hist.count, extra)
+        if hist.sum is not None:
+            self._emit(out, f"{name}_sum", model, hist.sum, extra)
 
     def _window_for(
         self, name: str, extra: LabelPairs, key: LabelPairs
@@ -1034,6 +1114,7 @@ class Normalizer:
         cutoff = self._scrape - 600
         for k in [k for k, (_, seen) in self._hist.items() if seen < cutoff]:
             del self._hist[k]
+            self._cumulative.pop(k, None)
 
     # -- window ratios ---------------------------------------------------------------------------
 
