@@ -1186,7 +1186,8 @@ _ALL: tuple[Metric, ...] = (
         "1",
         "OTLP/HTTP trace exports received at /v1/traces by result (ok, partial, bad_request, "
         "too_large, unsupported_media_type, busy = 503 while the decode slots are full, "
-        "read_timeout = 408 for a body that did not arrive within 10 s).",
+        "read_timeout = 408 for a body that did not arrive within 10 s, unauthorized = 401 "
+        "without the otlp_receiver.bearer_token_file token).",
         ("result",),
         "",
         "requests",

@@ -24,6 +24,7 @@ from agent.config import (
     default_text,
     load,
     load_default,
+    read_token,
     with_overrides,
 )
 
@@ -83,6 +84,8 @@ def _cmd_check_config(args: argparse.Namespace) -> int:
             from agent.webconfig import load_web_config
 
             load_web_config(cfg.web_config_file)
+        if cfg.otlp_receiver.bearer_token_file:
+            read_token(cfg.otlp_receiver.bearer_token_file)
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return 1
