@@ -713,6 +713,18 @@ _ALL: tuple[Metric, ...] = (
         "engine",
     ),
     _m(
+        "kvpressure_engine_label_values_dropped_total",
+        "counter",
+        "1",
+        "Values of the model label (or of a label kept from the engine: reason, uuid) "
+        "refused because the engine already had 64 distinct values of it within 15 min; "
+        "their samples are dropped, so a label that churns cannot grow memory or series. "
+        "Counted once per scrape for each refused value.",
+        ("engine", "instance", "label"),
+        "",
+        "engine",
+    ),
+    _m(
         "kvpressure_engine_gpu_memory_used_bytes",
         "gauge",
         "bytes",
