@@ -142,3 +142,24 @@ def test_bad_token_files_are_config_errors(tmp_path: Path, content: str, error: 
         read_token(path)
     with pytest.raises(ConfigError, match="a directory"):
         read_token(tmp_path)
+
+
+def test_check_config_and_run_refuse_an_unreadable_token_file(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    config = tmp_path / "kvpressure.yaml"
+    config.write_text(
+        f"listen: '127.0.0.1:0'\notlp_receiver: {{bearer_token_file: '{tmp_path}/absent'}}\n"
+        + QUIET
+    )
+    for command in (["check-config", str(config)], ["run", "--config", str(config)]):
+        res = subprocess.run(
+            [sys.executable, "-m", "agent.cli", *command],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert res.returncode == 1, (command, res.stderr)
+        assert "absent" in res.stderr and "Traceback" not in res.stderr, res.stderr
