@@ -63,7 +63,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     # Threads decoding OTLP exports or building API answers hold the GIL for up to the
     # switch interval each time the event loop wants it back; 1 ms instead of Python's 5 ms
     # keeps /healthz and proxied streams answering under that load
-    # (benchmarks/healthz_under_load.py: p99 under three 4 MB exporters 295 -> 80 ms).
+    # (benchmarks/healthz_under_load.py: p99 beside three 4 MB exporters 274 -> 85 ms).
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     log.debug("open files limit", extra={"kv": {"soft": soft, "hard": hard}})
 
