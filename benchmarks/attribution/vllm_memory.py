@@ -498,7 +498,7 @@ def run(args: argparse.Namespace) -> tuple[list[Any], dict[str, Any], str, bool,
                 )
             )
         b.wait_records(t_begin)
-        doc = b.attributions(t_begin - 5, limit=100000)
+        doc = b.attributions(t_begin - 5, limit=1000)  # the API allows at most 1,000
         spans = _otlp_spans(b.agent_url)
     finally:
         b.close()
