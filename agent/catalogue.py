@@ -727,6 +727,18 @@ _ALL: tuple[Metric, ...] = (
         "engine",
     ),
     _m(
+        "kvpressure_engine_label_values_dropped_total",
+        "counter",
+        "1",
+        "Values of the model label (or of a label kept from the engine: reason, uuid) "
+        "refused because the engine already had 64 distinct values of it within 15 min; "
+        "their samples are dropped, so a label that churns cannot grow memory or series. "
+        "Counted once per scrape for each refused value.",
+        ("engine", "instance", "label"),
+        "",
+        "engine",
+    ),
+    _m(
         "kvpressure_engine_gpu_memory_used_bytes",
         "gauge",
         "bytes",
@@ -1214,7 +1226,8 @@ _ALL: tuple[Metric, ...] = (
         "1",
         "OTLP/HTTP trace exports received at /v1/traces by result (ok, partial, bad_request, "
         "too_large, unsupported_media_type, busy = 503 while the decode slots are full, "
-        "read_timeout = 408 for a body that did not arrive within 10 s).",
+        "read_timeout = 408 for a body that did not arrive within 10 s, unauthorized = 401 "
+        "without the otlp_receiver.bearer_token_file token).",
         ("result",),
         "",
         "requests",

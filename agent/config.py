@@ -250,11 +250,16 @@ class OtlpReceiverConfig(_Model):
         service_engines: resource ``service.name`` → ``engine`` label, e.g.
             ``{vllm-prod: vllm}``; spans of other services are labelled by their
             ``gen_ai.provider.name``/``gen_ai.system`` or the engine kind.
+        bearer_token_file: a file holding the token exporters must send as
+            ``Authorization: Bearer <token>`` (401 otherwise); read at start and at each
+            reload (:func:`read_token`). Without it the receiver takes any export that
+            reaches the listener (or passes its web-config basic auth).
     """
 
     enabled: bool = True
     max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024, le=256 * 1024 * 1024)
     service_engines: dict[str, EngineLabel] = {}
+    bearer_token_file: str | None = None
 
 
 class AttributionConfig(_Model):
@@ -580,6 +585,32 @@ def read_text(path: str | Path, max_bytes: int = MAX_CONFIG_BYTES) -> str:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{path}: cannot read: not UTF-8 (byte {exc.start})") from None
+
+
+MAX_TOKEN_BYTES: Final = 4096
+"""Largest bearer-token file read (:func:`read_token`)."""
+
+
+def read_token(path: str | Path) -> bytes:
+    """Read a bearer token: the file's text with surrounding whitespace removed.
+
+    Args:
+        path: a regular file of at most :data:`MAX_TOKEN_BYTES` (e.g. a mounted Secret).
+
+    Returns:
+        The token as UTF-8 bytes (compared in constant time by its user).
+
+    Raises:
+        ConfigError: the file is unreadable, not a regular file, too large, not UTF-8,
+            empty, or the token holds whitespace or control characters (which no
+            ``Authorization`` header could carry).
+    """
+    token = read_text(path, MAX_TOKEN_BYTES).strip()
+    if not token:
+        raise ConfigError(f"{path}: the bearer token file is empty")
+    if any(c.isspace() or not c.isprintable() for c in token):
+        raise ConfigError(f"{path}: the bearer token holds whitespace or control characters")
+    return token.encode("utf-8")
 
 
 def _file_kind(mode: int) -> str:

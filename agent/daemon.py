@@ -31,7 +31,7 @@ from aiohttp import web
 from agent import logs
 from agent.api import attribution_routes, make_app
 from agent.attribution.store import AttributionStore
-from agent.config import Config, ConfigError, EngineConfig, load
+from agent.config import Config, ConfigError, EngineConfig, load, read_token
 from agent.listener import (
     IDLE_TIMEOUT_S,
     BoundedSite,
@@ -40,6 +40,7 @@ from agent.listener import (
     install_accept_error_handler,
 )
 from agent.requests.metrics import RequestMetrics
+from agent.requests.otlp_receiver import PATH as OTLP_PATH
 from agent.requests.otlp_receiver import OtlpReceiver
 from agent.requests.proxy import RequestProxy
 from agent.requests.record import RequestStream
@@ -223,8 +224,16 @@ class Daemon:
         self.request_stream = RequestStream()
         otlp = config.otlp_receiver
         self.otlp_receiver = OtlpReceiver(
-            self.request_stream, otlp.max_body_bytes, otlp.service_engines, otlp.enabled
+            self.request_stream,
+            otlp.max_body_bytes,
+            otlp.service_engines,
+            otlp.enabled,
+            bearer_token=read_token(otlp.bearer_token_file) if otlp.bearer_token_file else None,
         )
+        if self.web is not None:
+            # With a bearer token the receiver checks its own clients: an exporter cannot
+            # send basic auth and a bearer token in one Authorization header.
+            self.web.exempt = self._otlp_checks_itself
         self.request_metrics = RequestMetrics(
             self.request_stream, [self.otlp_receiver], interval_s=config.interval_s
         )
@@ -483,10 +492,10 @@ class Daemon:
             rejected (counted ``kvpressure_config_reloads_total{result="invalid"}``, one
             error line logged; the last good config keeps running).
         """
-        new = self._read_config()
-        if new is None:
+        read = self._read_config()
+        if read is None:
             return False
-        self._adopt(new)
+        self._adopt(*read)
         return True
 
     async def reload_async(self) -> bool:
@@ -503,10 +512,11 @@ class Daemon:
         async with self._reload_lock:
             adopted = False
             try:
-                new = await asyncio.to_thread(self._read_config)
-                if new is None:
+                read = await asyncio.to_thread(self._read_config)
+                if read is None:
                     return False
-                self._adopt(new)
+                new, token = read
+                self._adopt(new, token)
                 adopted = True
                 if (new.listen_host, new.listen_port) != self._listen_addr:
                     await self._rebind(new.listen_host, new.listen_port)
@@ -524,13 +534,15 @@ class Daemon:
             finally:
                 self.notifier.ready(self._status_line())
 
-    def _read_config(self) -> Config | None:
-        """Load the file with the command-line overrides; ``None`` (counted, logged) if bad."""
+    def _read_config(self) -> tuple[Config, bytes | None] | None:
+        """Load the file with the overrides and the OTLP bearer token; None (counted) if bad."""
         if self.config_path is None:
             log.info("SIGHUP: running on the embedded default; nothing to reload")
             return None
         try:
-            return load(self.config_path, self._overrides)
+            new = load(self.config_path, self._overrides)
+            path = new.otlp_receiver.bearer_token_file
+            return new, read_token(path) if path else None
         except Exception as exc:  # noqa: BLE001 - ConfigError, or whatever a file provokes
             self._reject(exc, "config reload rejected; keeping the last good config")
             return None
@@ -540,7 +552,11 @@ class Daemon:
         error = str(exc) if isinstance(exc, ConfigError) else f"{type(exc).__name__}: {exc}"
         log.error(message, extra={"kv": {"error": error[:500]}})
 
-    def _adopt(self, new: Config) -> None:
+    def _otlp_checks_itself(self, request: web.Request) -> bool:
+        """True for ``/v1/traces`` while the OTLP receiver has a bearer token."""
+        return request.path == OTLP_PATH and self.otlp_receiver.bearer_token is not None
+
+    def _adopt(self, new: Config, token: bytes | None = None) -> None:
         old = self.config
         self.config = new
         if new.web_config_file != old.web_config_file:
@@ -555,7 +571,9 @@ class Daemon:
             self.api_cap.max_connections = new.max_connections
         self._apply(new)
         otlp = new.otlp_receiver
-        self.otlp_receiver.configure(otlp.enabled, otlp.max_body_bytes, otlp.service_engines)
+        self.otlp_receiver.configure(
+            otlp.enabled, otlp.max_body_bytes, otlp.service_engines, bearer_token=token
+        )
         self.state.count_reload("ok")
         log.info("config reloaded", extra={"kv": {"path": str(self.config_path)}})
 

@@ -97,6 +97,9 @@ class WebSecurity:
             if not hashed.startswith((b"$2a$", b"$2b$", b"$2y$")):
                 raise ConfigError(f"basic_auth_users.{user}: expected a bcrypt hash ($2y$...)")
         self._ok: dict[bytes, None] = {}
+        self.exempt: Callable[[web.Request], bool] = lambda _request: False
+        """Requests the basic-auth middleware lets through because their handler checks
+        its own credentials (the OTLP receiver with a bearer token)."""
 
     @property
     def auth_required(self) -> bool:
@@ -108,7 +111,11 @@ class WebSecurity:
         self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
     ) -> web.StreamResponse:
         """Answer 401 unless the request carries a listed user's password."""
-        if self._users and not await self._authorized(request.headers.get("Authorization", "")):
+        if (
+            self._users
+            and not self.exempt(request)
+            and not await self._authorized(request.headers.get("Authorization", ""))
+        ):
             return web.Response(
                 status=401,
                 text="Unauthorized\n",

@@ -237,7 +237,7 @@ def test_daemonset_host_access_is_read_only():
     assert cfg.sysfs_root == mounts[host["/sys"]]["mountPath"]
     config_mount = mounts[next(n for n, v in volumes.items() if "configMap" in v)]
     assert f"{config_mount['mountPath']}/kvpressure.yaml" == CONFIG_PATH
-    assert c["args"] == ["run", "--config", CONFIG_PATH]
+    assert c["args"][:3] == ["run", "--config", CONFIG_PATH]
 
 
 def test_daemonset_is_non_root_with_limits_and_gpu_via_runtime():
@@ -254,7 +254,7 @@ def test_daemonset_is_non_root_with_limits_and_gpu_via_runtime():
     assert {"cpu", "memory"} <= set(res["requests"]) and {"cpu", "memory"} <= set(res["limits"])
     # NVML only: no GPU taken from the device plugin; the NVIDIA runtime injects the nodes.
     assert not any(k.startswith("nvidia.com/") for k in res["limits"])
-    env = {e["name"]: e["value"] for e in c["env"]}
+    env = {e["name"]: e.get("value") for e in c["env"]}
     assert env["NVIDIA_VISIBLE_DEVICES"] == "all"
     assert "utility" in env["NVIDIA_DRIVER_CAPABILITIES"]
     assert pod["runtimeClassName"] == "nvidia"
@@ -276,7 +276,8 @@ def test_configmap_config_passes_check_config_and_matches_ports(tmp_path):
     cfg = parse(text)
     (c,) = daemonset()["spec"]["template"]["spec"]["containers"]
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
-    assert cfg.listen_host == "0.0.0.0" and cfg.listen_port == ports["metrics"]
+    assert cfg.listen_host == "127.0.0.1"  # the DaemonSet's --listen replaces it
+    assert arg(c["args"], "--listen") == f"$(POD_IP):{ports['metrics']}"
     svc = OBJECTS["Service/kvpressure"]["spec"]
     assert svc["selector"].items() <= daemonset()["spec"]["template"]["metadata"]["labels"].items()
     assert {p["targetPort"] for p in svc["ports"]} <= set(ports)
@@ -308,6 +309,8 @@ ENDPOINT = {
     "enableHttp2",
     "filterRunning",
     "followRedirects",
+    "basicAuth",
+    "tlsConfig",
 }
 RELABEL = {"sourceLabels", "separator", "targetLabel", "regex", "modulus", "replacement", "action"}
 ACTIONS = {
@@ -355,6 +358,143 @@ def test_podmonitor_structure():
             assert set(r) <= RELABEL and r.get("action", "replace") in ACTIONS, r
             # a target label named like an agent label pushes the agent's aside (exported_*)
             assert r.get("targetLabel") not in catalogue_labels, r
+
+
+def arg(args: list[str], flag: str) -> str:
+    """The value after ``flag`` in a container's args."""
+    return args[args.index(flag) + 1]
+
+
+WEB_SECRET = "kvpressure-web"
+
+
+def test_no_manifest_listens_on_every_address():
+    """Issue 18, point 5: with hostNetwork a 0.0.0.0 listener is open on every node address."""
+
+    def strings(node: object) -> list[str]:
+        if isinstance(node, dict):
+            return [s for v in node.values() for s in strings(v)]
+        if isinstance(node, list):
+            return [s for v in node for s in strings(v)]
+        return [node] if isinstance(node, str) else []
+
+    for name, obj in OBJECTS.items():
+        for s in strings(obj):
+            assert "0.0.0.0" not in s and "[::]" not in s, (name, s)
+    cfg = parse(OBJECTS["ConfigMap/kvpressure-config"]["data"]["kvpressure.yaml"], "configmap")
+    assert cfg.listen_host not in ("0.0.0.0", "::", "", "*")
+
+
+def test_daemonset_binds_the_pod_ip_with_tls_and_basic_auth():
+    pod = daemonset()["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    env = {e["name"]: e for e in c["env"]}
+    # $(POD_IP) is expanded by the kubelet from the downward API: the node's address under
+    # hostNetwork, not its loopback or other interfaces.
+    assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    assert arg(c["args"], "--listen") == "$(POD_IP):9470"
+    web = Path(arg(c["args"], "--web.config.file"))
+    mounts = {m["name"]: m for m in c["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    (name,) = [n for n, v in volumes.items() if "secret" in v]
+    secret = volumes[name]["secret"]
+    assert secret["secretName"] == WEB_SECRET and secret.get("optional", False) is False
+    assert mounts[name]["mountPath"] == str(web.parent) and mounts[name]["readOnly"] is True
+    # Only what the agent reads: the scrape password and the CA stay with Prometheus.
+    items = {i["key"]: i["path"] for i in secret["items"]}
+    assert items == {web.name: web.name, "tls.crt": "tls.crt", "tls.key": "tls.key"}
+    assert secret["defaultMode"] & 0o007 == 0
+    assert pod["securityContext"]["fsGroup"] == pod["securityContext"]["runAsGroup"]
+    # A probe cannot carry the password without writing it here: TCP connects.
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert c[probe]["tcpSocket"] == {"port": "metrics"}, probe
+
+
+def test_podmonitor_scrapes_over_tls_with_basic_auth():
+    (ep,) = OBJECTS["PodMonitor/kvpressure"]["spec"]["podMetricsEndpoints"]
+    assert ep["scheme"] == "https"
+    tls = ep["tlsConfig"]
+    assert tls["ca"] == {"secret": {"name": WEB_SECRET, "key": "ca.crt"}}
+    assert tls["serverName"] == "kvpressure.kvpressure.svc"
+    assert "insecureSkipVerify" not in tls
+    assert ep["basicAuth"] == {
+        "username": {"name": WEB_SECRET, "key": "username"},
+        "password": {"name": WEB_SECRET, "key": "password"},
+    }
+
+
+def readme_secret_recipe() -> list[str]:
+    """The README's shell lines that create the Kubernetes web-config Secret."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    blocks = re.findall(r"```sh\n(.*?)```", text, flags=re.DOTALL)
+    (block,) = [b for b in blocks if f"create secret generic {WEB_SECRET}" in b]
+    return block.strip().splitlines()
+
+
+def test_readme_secret_recipe_serves_tls_and_basic_auth(tmp_path: Path):
+    """Run the README's Secret recipe (all but kubectl), then the agent with the DaemonSet's
+    arguments on 127.0.0.1, and scrape it as the PodMonitor does: TLS checked against the
+    CA with the serverName, basic auth with the Secret's username and password."""
+    import socket
+    import ssl
+    import time
+
+    import httpx
+
+    tool("openssl")
+    lines = readme_secret_recipe()
+    (kubectl,) = [line for line in lines if line.startswith("kubectl ")]
+    script = "\n".join(line for line in lines if line != kubectl)
+    script += '\nprintf %s "$PASSWORD" > password\n'
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    subprocess.run(["bash", "-euc", script], cwd=tmp_path, check=True, timeout=120, env=env)
+    for f in re.findall(r"--from-file=([\w.-]+)", kubectl):
+        assert (tmp_path / f).is_file(), f
+    password = (tmp_path / "password").read_text()
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    (c,) = daemonset()["spec"]["template"]["spec"]["containers"]
+    config = OBJECTS["ConfigMap/kvpressure-config"]["data"]["kvpressure.yaml"]
+    config = config.replace("/host/proc", "/proc").replace("/host/sys", "/sys")
+    config += "discovery: {enabled: false}\n"  # nothing probed but the agent itself
+    (tmp_path / "kvpressure.yaml").write_text(config, encoding="utf-8")
+    args = [
+        a.replace("$(POD_IP):9470", f"127.0.0.1:{port}")
+        .replace(CONFIG_PATH, str(tmp_path / "kvpressure.yaml"))
+        .replace("/etc/kvpressure/web/", f"{tmp_path}/")
+        for a in c["args"]
+    ]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "agent.cli", *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        ca = ssl.create_default_context(cafile=str(tmp_path / "ca.crt"))
+        url = f"https://127.0.0.1:{port}/metrics"
+        sni = {"sni_hostname": "kvpressure.kvpressure.svc"}
+        with httpx.Client(verify=ca, timeout=5) as client:
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    first = client.get(url, extensions=sni)
+                    break
+                except httpx.ConnectError:
+                    assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+                    assert time.monotonic() < deadline, "agent did not start"
+                    time.sleep(0.2)
+            assert first.status_code == 401
+            ok = client.get(url, extensions=sni, auth=("prometheus", password))
+            assert ok.status_code == 200 and "kvpressure_build_info" in ok.text
+        # the certificate names the Service, not 127.0.0.1: without serverName it fails
+        with httpx.Client(verify=ca, timeout=5) as client, pytest.raises(httpx.ConnectError):
+            client.get(url, auth=("prometheus", password))
+    finally:
+        proc.terminate()
+        proc.wait(10)
 
 
 def test_prometheusrule_is_the_rules_file():

@@ -12,6 +12,7 @@ from agent.samplers.engines import ENGINE_TYPES, EngineMapping, Rule, engine_typ
 from agent.samplers.engines.exposition import parse_exposition
 from agent.samplers.engines.llamacpp import SlotUsage, parse_props, slot_usage
 from agent.samplers.engines.normalize import (
+    MAX_LABEL_VALUES,
     CounterTracker,
     NormalizedScrape,
     Normalizer,
@@ -28,9 +29,14 @@ RATIO = "kvpressure_engine_kv_cache_usage_ratio"
 GEN = "kvpressure_engine_generation_tokens_total"
 
 
-def norm(etype: str | EngineMapping, *bodies: str, default_model: str | None = None):
+def norm(
+    etype: str | EngineMapping,
+    *bodies: str,
+    default_model: str | None = None,
+    max_label_values: int = MAX_LABEL_VALUES,
+):
     mapping = ENGINE_TYPES[etype] if isinstance(etype, str) else etype
-    n = Normalizer(mapping, "e1", "h:1")
+    n = Normalizer(mapping, "e1", "h:1", max_label_values=max_label_values)
     scrape = NormalizedScrape()
     for body in bodies:
         scrape = n.normalize(parse_exposition(body, None), default_model)
@@ -375,7 +381,8 @@ def test_churning_model_names_are_capped_with_one_warning_per_minute(
         )
 
     with caplog.at_level(logging.INFO):
-        _, scrape = norm("vllm", *(body(k) for k in range(50)))
+        # the per-scrape cap alone: the window cap (test below) would refuse them sooner
+        _, scrape = norm("vllm", *(body(k) for k in range(50)), max_label_values=10_000)
     models = {dict(s.labels)["model"] for s in scrape.samples}
     assert len(models) == 32
     assert len(scrape.models) == 32
@@ -385,6 +392,40 @@ def test_churning_model_names_are_capped_with_one_warning_per_minute(
     # first same-count change; the other 48 within the minute are counted, not logged)
     assert [r.levelno for r in capped] == [logging.WARNING, logging.INFO]
     assert capped[0].kv["count"] == 1  # type: ignore[attr-defined]
+
+
+def test_model_window_cap_counts_refused_models_and_admits_them_after_the_window() -> None:
+    """Issue 18, point 2: a model name that changes every scrape is capped per engine over
+    a window (one model a scrape passes the per-scrape cap of 32 every time)."""
+    n = Normalizer(ENGINE_TYPES["vllm"], "e1", "h:1", max_label_values=4, label_window_s=60)
+    seen: set[str] = set()
+    refused = 0
+    for k in range(20):
+        body = f'vllm:num_requests_running{{model_name="m{k}"}} 1\n'
+        scrape = n.normalize(parse_exposition(body, None), now=1000.0 + k)
+        seen |= {dict(s.labels)["model"] for s in scrape.samples}
+        refused += scrape.label_values_dropped.get("model", 0)
+        assert scrape.models_dropped == 0  # the per-scrape cap is not what refused them
+    assert seen == {"m0", "m1", "m2", "m3"} and refused == 16
+    assert not n.admits("m19") and n.admits("m0") and n.admits(None)
+    # m0..m3 were last seen at 1000..1003: 60 s later there is room again
+    scrape = n.normalize(
+        parse_exposition('vllm:num_requests_running{model_name="new"} 1\n', None), now=1064.0
+    )
+    assert scrape.models == ["new"] and scrape.label_values_dropped == {}
+
+
+def test_kept_engine_labels_are_capped_too() -> None:
+    """vLLM's ``reason`` label, kept from the engine, is capped like ``model``."""
+    n = Normalizer(ENGINE_TYPES["vllm"], "e1", "h:1", max_label_values=2)
+    assert set(n.capped_labels) == {"model", "reason"}
+    body = "".join(
+        f'vllm:num_requests_waiting_by_reason{{model_name="m",reason="r{i}"}} {i}\n'
+        for i in range(5)
+    )
+    scrape = n.normalize(parse_exposition(body, None), now=1.0)
+    reasons = {dict(s.labels).get("reason") for s in scrape.samples} - {None}
+    assert len(reasons) <= 2 and scrape.label_values_dropped.get("reason", 0) >= 3
 
 
 def test_previously_admitted_models_keep_their_place() -> None:
@@ -476,7 +517,7 @@ def test_ratio_windows_and_log_once_keys_do_not_grow_with_a_churning_model() -> 
     """Issue 18, point 2: per-model state is forgotten once the model is gone."""
     from agent.samplers.base import LogOnce
 
-    n = Normalizer(ENGINE_TYPES["vllm"], "e1", "h:1")
+    n = Normalizer(ENGINE_TYPES["vllm"], "e1", "h:1", max_label_values=10_000)
     for k in range(500):  # a new model every scrape, one scrape a second
         body = (
             f'vllm:prefix_cache_queries_total{{model_name="m{k}"}} {100 + k}\n'

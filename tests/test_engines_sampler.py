@@ -552,6 +552,87 @@ def test_churning_malformed_lines_are_one_warning_per_minute(
     assert len(warned) == 1, [r.getMessage() for r in warned]
 
 
+def test_churning_model_label_is_capped_per_engine_with_a_counter(
+    stub: EngineStub, samplers: list[EngineSampler], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 18, point 2: an engine whose ``model`` label changes every scrape made a new set
+    of series each time (20,000 timeline series in 140 s). Now at most MAX_LABEL_VALUES
+    models per engine within LABEL_WINDOW_S get series; further ones are dropped and counted
+    in ``kvpressure_engine_label_values_dropped_total{label="model"}``, a steady engine next
+    to it keeps its series, and once the window passes new models are admitted again."""
+    from agent.samplers.engines.normalize import LABEL_WINDOW_S, MAX_LABEL_VALUES
+    from agent.timeline import Timeline
+
+    good = (VLLM / "metrics_load.txt").read_text()
+    steady_stub = EngineStub()
+    threading.Thread(target=steady_stub.serve_forever, daemon=True).start()
+    steady_stub.serve("/metrics", good)
+    churning = sampler(samplers, stub.url, engine_type="vllm", name="churn")
+    steady = sampler(samplers, steady_stub.url, engine_type="vllm", name="steady")
+    now = [1000.0]
+    for s in (churning, steady):
+        assert s._normalizer is not None
+        s._normalizer.clock = lambda: now[0]
+    timeline = Timeline(64, 100_000)
+    scrapes = 3 * MAX_LABEL_VALUES
+    models: set[str] = set()
+    series: set[tuple[str, tuple[tuple[str, str], ...]]] = set()
+    try:
+        with caplog.at_level(logging.WARNING):
+            for k in range(scrapes):
+                now[0] += 0.1
+                stub.serve("/metrics", good.replace('model_name="tiny"', f'model_name="m{k}"'))
+                batch = collect(churning)
+                batch.samples.extend(collect(steady).samples)
+                assert_catalogued(batch)
+                timeline.append(now[0], batch.samples)
+                series |= {(smp.name, smp.labels) for smp in batch.samples}
+                models |= {v for smp in batch.samples for n, v in smp.labels if n == "model" and v}
+                assert value(batch, "kvpressure_engine_up", engine="churn") == 1
+                assert value(batch, "kvpressure_engine_requests_running", engine="steady")
+        churned = models - {"tiny"}
+        assert churned == {f"m{k}" for k in range(MAX_LABEL_VALUES)}
+        dropped = "kvpressure_engine_label_values_dropped_total"
+        assert value(batch, dropped, engine="churn", label="model") == scrapes - MAX_LABEL_VALUES
+        assert value(batch, dropped, engine="steady", label="model") == 0
+        # a refused model is no engine_info series either, and no KV sample of its own
+        info = [
+            dict(smp.labels)
+            for smp in batch.samples
+            if smp.name == "kvpressure_engine_info" and dict(smp.labels)["engine"] == "churn"
+        ]
+        assert len(info) == 1 and "model" not in info[0], info
+        assert value(batch, "kvpressure_engine_kv_cache_usage_ratio", engine="churn") is None
+        # bounded: the churning engine's series stop growing once the cap is full
+        per_model = sum(1 for _, labels in series if ("model", "m0") in labels)
+        assert per_model > 10
+        assert len(series) <= (MAX_LABEL_VALUES + 1) * per_model + 100
+        assert len(timeline) == len(series) and timeline.dropped_samples == 0
+        warned = [r for r in caplog.records if "distinct values of model" in r.getMessage()]
+        assert len(warned) == 1, [r.getMessage() for r in warned]
+
+        # after the window, the cap has room again: the engine's current model is admitted
+        now[0] += LABEL_WINDOW_S + 1
+        stub.serve("/metrics", good.replace('model_name="tiny"', 'model_name="after"'))
+        batch = collect(churning)
+        assert value(batch, "kvpressure_engine_kv_cache_usage_ratio", engine="churn", model="after")
+    finally:
+        steady_stub.shutdown()
+        steady_stub.server_close()
+
+
+def test_value_window_cap_refuses_new_values_and_expires_old_ones() -> None:
+    from agent.samplers.engines.normalize import ValueWindowCap
+
+    cap = ValueWindowCap(2, window_s=10.0)
+    assert cap.admit("a", 0.0) and cap.admit("b", 1.0)
+    assert not cap.admit("c", 2.0)  # full: the new value is refused, "a" is not evicted
+    assert cap.admit("a", 5.0)  # an admitted value stays admitted and is refreshed
+    assert not cap.admit("c", 10.5)  # "b" (last seen 1.0) is still within 10 s
+    assert cap.admit("c", 11.5) and "b" not in cap and len(cap) == 2
+    assert not cap.admit("d", 14.0)  # "a" seen at 5.0 holds its place until 15.0
+
+
 def test_case22_restart_over_http(stub: EngineStub, samplers: list[EngineSampler]) -> None:
     s = sampler(samplers, stub.url)
     stub.serve("/metrics", CASES / "22-counter-reset-after-restart.before.input.txt")

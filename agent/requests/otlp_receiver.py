@@ -38,7 +38,9 @@ Answers: 200 with an ``ExportTraceServiceResponse`` in the request's encoding
 (``partial_success.rejected_spans`` counts understood spans that could not be records at
 all: start/end times missing or reversed, more than :data:`MAX_ATTRIBUTES_PER_SPAN`
 attributes, or beyond :data:`MAX_SPANS_PER_EXPORT`; ``error_message`` also says when
-attributes were dropped); 400 for undecodable bodies, 413 over ``max_body_bytes``
+attributes were dropped); 401 with ``WWW-Authenticate: Bearer`` when a bearer token is set
+(``otlp_receiver.bearer_token_file``) and the export does not carry it, before any of the
+body is read; 400 for undecodable bodies, 413 over ``max_body_bytes``
 (compressed or not), 408 when the body takes longer than :data:`BODY_READ_TIMEOUT_S` to
 arrive, 415 for other content types or encodings, 503 with ``Retry-After`` when
 :data:`MAX_CONCURRENT_DECODES` exports are being decoded and :data:`MAX_WAITING_DECODES`
@@ -52,6 +54,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import hmac
 import json
 import logging
 import math
@@ -91,6 +94,7 @@ _GRPC_INVALID_ARGUMENT = 3
 _GRPC_RESOURCE_EXHAUSTED = 8
 _GRPC_UNIMPLEMENTED = 12
 _GRPC_UNAVAILABLE = 14
+_GRPC_UNAUTHENTICATED = 16
 MAX_CONCURRENT_DECODES: Final = 2
 """Exports whose bodies are read and decoded at the same time (the rest wait their turn)."""
 MAX_WAITING_DECODES: Final = 16
@@ -408,6 +412,10 @@ class OtlpReceiver:
         service_engines: resource ``service.name`` → ``engine`` label.
         enabled: when False the route answers 404.
         max_engines: most distinct engine labels this receiver produces.
+        bearer_token: when set, an export must carry ``Authorization: Bearer <token>``
+            (compared in constant time); others get a 401 with ``WWW-Authenticate: Bearer``,
+            counted ``kvpressure_otlp_requests_total{result="unauthorized"}``, before their
+            body is read.
     """
 
     def __init__(
@@ -417,8 +425,10 @@ class OtlpReceiver:
         service_engines: Mapping[str, str] | None = None,
         enabled: bool = True,
         max_engines: int = MAX_ENGINES,
+        bearer_token: bytes | None = None,
     ) -> None:
         self._stream = stream
+        self.bearer_token = bearer_token
         self.max_body_bytes = max_body_bytes
         self.service_engines: dict[str, str] = dict(service_engines or {})
         self.enabled = enabled
@@ -431,12 +441,26 @@ class OtlpReceiver:
         self._queued = 0
 
     def configure(
-        self, enabled: bool, max_body_bytes: int, service_engines: Mapping[str, str]
+        self,
+        enabled: bool,
+        max_body_bytes: int,
+        service_engines: Mapping[str, str],
+        bearer_token: bytes | None = None,
     ) -> None:
         """Apply new settings (config reload); counters and the engine set are kept."""
         self.enabled = enabled
         self.max_body_bytes = max_body_bytes
         self.service_engines = dict(service_engines)
+        self.bearer_token = bearer_token
+
+    def authorized(self, header: str) -> bool:
+        """True when no token is set or ``header`` is ``Bearer <token>`` (constant time)."""
+        token = self.bearer_token
+        if token is None:
+            return True
+        scheme, _, value = header.partition(" ")
+        given = value.strip().encode("utf-8", "replace")
+        return scheme.lower() == "bearer" and hmac.compare_digest(given, token)
 
     def routes(self) -> list[web.RouteDef]:
         """The aiohttp route of the receiver (``POST /v1/traces``)."""
@@ -651,6 +675,16 @@ class OtlpReceiver:
         if not self.enabled:
             raise web.HTTPNotFound(text="OTLP receiver disabled (otlp_receiver.enabled)\n")
         media = _media_type(request.headers.get("Content-Type"))
+        if not self.authorized(request.headers.get("Authorization", "")):
+            unauthorized = self._error(
+                401,
+                _GRPC_UNAUTHENTICATED,
+                "missing or wrong bearer token (otlp_receiver.bearer_token_file)",
+                JSON if media == JSON else PROTOBUF,
+                "unauthorized",
+            )
+            unauthorized.headers["WWW-Authenticate"] = 'Bearer realm="kvpressure"'
+            return unauthorized
         if media not in (PROTOBUF, JSON):
             return self._error(
                 415,

@@ -12,8 +12,11 @@ the type's mapping (:mod:`~agent.samplers.engines.normalize`) and runs the type'
   (cumulative), ``kvpressure_engine_restarts_total``,
   ``kvpressure_engine_series_merged_total{reason}`` (cumulative: ``duplicate`` repeated
   series dropped, ``per_process`` rows collapsed), and, once normalized,
-  ``kvpressure_engine_models_dropped`` (models over the cap in the last scrape) and
-  ``kvpressure_engine_counters_withheld`` (per-model counters the engine does not count);
+  ``kvpressure_engine_models_dropped`` (models over the cap in the last scrape),
+  ``kvpressure_engine_label_values_dropped_total{label}`` (cumulative: values of ``model``
+  or of a kept engine label refused by the per-engine cap over a window, counted once per
+  scrape each) and ``kvpressure_engine_counters_withheld`` (per-model counters the engine
+  does not count);
 * ``kvpressure_engine_info{engine,instance,type,model}`` (``type="unknown"`` until known).
 
 An engine that is down is data, not a sampler failure: :meth:`EngineSampler.collect` does
@@ -204,6 +207,7 @@ class EngineSampler(Sampler):
         self._parse_errors = 0
         self._merged = dict.fromkeys((MERGE_DUPLICATE, MERGE_PER_PROCESS), 0)
         self._models_dropped: int | None = None
+        self._label_values_dropped: dict[str, int] = {}
         self._withheld: int | None = None
         self._models: list[str] = []
         self._failing = ""
@@ -286,6 +290,8 @@ class EngineSampler(Sampler):
         for reason, count in self._merged.items():
             batch.add("kvpressure_engine_series_merged_total", count, reason=reason, **labels)
         batch.add("kvpressure_engine_models_dropped", self._models_dropped, **labels)
+        for label, count in self._label_values_dropped.items():
+            batch.add("kvpressure_engine_label_values_dropped_total", count, label=label, **labels)
         batch.add("kvpressure_engine_counters_withheld", self._withheld, **labels)
         models: list[str | None] = list(self._models) or [None]
         for model in models:
@@ -307,9 +313,12 @@ class EngineSampler(Sampler):
                     mapping.engine_type,
                 )
             return
-        ctx = AddonContext(self.engine, self.instance, batch, fetch)
+        normalizer = self._normalizer
+        ctx = AddonContext(self.engine, self.instance, batch, fetch, normalizer.admits)
         default_model = self._addon.before(ctx) if self._addon else None
-        scrape = self._normalizer.normalize(result, default_model)
+        scrape = normalizer.normalize(result, default_model)
+        for label, count in scrape.label_values_dropped.items():
+            self._label_values_dropped[label] = self._label_values_dropped.get(label, 0) + count
         for reason, count in scrape.merged.items():
             self._merged[reason] = self._merged.get(reason, 0) + count
         self._models_dropped = scrape.models_dropped
@@ -323,7 +332,9 @@ class EngineSampler(Sampler):
         mark = len(batch.samples)
         batch.samples.extend(scrape.samples)
         kv_failed = self._addon.after(ctx, scrape) if self._addon else False
-        self._models = scrape.models or ([default_model] if default_model else [])
+        self._models = scrape.models or (
+            [default_model] if default_model and normalizer.admits(default_model) else []
+        )
         if not mapping.reports_kv:
             pass  # a KV-tier source (LMCache, KVBM): no device KV cache to report
         elif KV_RATIO in scrape.invalid:
@@ -383,6 +394,8 @@ class EngineSampler(Sampler):
         self._type = engine_type
         mapping = ENGINE_TYPES[engine_type]
         self._normalizer = Normalizer(mapping, self.engine, self.instance)
+        # 0 for every capped label from the start: a real zero, not an absent count
+        self._label_values_dropped = dict.fromkeys(self._normalizer.capped_labels, 0)
         self._addon = mapping.addon() if mapping.addon else None
 
     def _fetcher(self, deadline: float) -> Fetch:

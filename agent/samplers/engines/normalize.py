@@ -92,7 +92,7 @@ import logging
 import math
 import re
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Final, Literal
@@ -123,7 +123,14 @@ RuleKind = Literal["gauge", "counter", "histogram"]
 LabelPairs = tuple[tuple[str, str], ...]
 
 MAX_MODELS: Final = 32
-"""Distinct ``model`` label values kept per engine."""
+"""Distinct ``model`` label values kept per engine in one scrape."""
+MAX_LABEL_VALUES: Final = 64
+"""Distinct values of ``model`` (and of each label kept from the engine, such as vLLM's
+``reason`` or Triton's ``uuid``) admitted per engine within :data:`LABEL_WINDOW_S`."""
+LABEL_WINDOW_S: Final = 900.0
+"""Seconds a label value stays admitted after it was last seen: the timeline's own horizon
+for forgetting a series (15 min), so a churning label holds at most
+:data:`MAX_LABEL_VALUES` values' series per engine."""
 
 NONNEGATIVE: Final = (0.0, math.inf)
 RATIO: Final = (0.0, 1.0)
@@ -592,6 +599,46 @@ class CounterTracker:
         return CounterUpdate(st.total, delta, reset)
 
 
+class ValueWindowCap:
+    """At most ``limit`` distinct values admitted within a sliding window; new ones refused.
+
+    A value is admitted while fewer than ``limit`` values were seen in the last
+    ``window_s`` seconds; an admitted value stays admitted for ``window_s`` after it was
+    last seen. Unlike an LRU, a full cap refuses the *new* value instead of evicting an old
+    one, so a label whose values churn every scrape cannot push out the steady ones (or
+    make every scrape a new set of series). Memory: at most ``limit`` entries.
+
+    Args:
+        limit: distinct values admitted at once (at least 1).
+        window_s: seconds an admitted value is remembered after it was last seen.
+    """
+
+    def __init__(self, limit: int, window_s: float) -> None:
+        self.limit = max(1, limit)
+        self.window_s = window_s
+        self._seen: OrderedDict[str, float] = OrderedDict()  # value -> last seen, oldest first
+
+    def admit(self, value: str, now: float) -> bool:
+        """Admit ``value`` seen at ``now`` (monotonic seconds); False when the cap is full."""
+        if value in self._seen:
+            self._seen[value] = now
+            self._seen.move_to_end(value)
+            return True
+        horizon = now - self.window_s
+        while self._seen and next(iter(self._seen.values())) < horizon:
+            self._seen.popitem(last=False)
+        if len(self._seen) >= self.limit:
+            return False
+        self._seen[value] = now
+        return True
+
+    def __contains__(self, value: object) -> bool:
+        return value in self._seen
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+
 @dataclass(slots=True)
 class NormalizedScrape:
     """The normalizer's output for one scrape.
@@ -608,6 +655,9 @@ class NormalizedScrape:
             (``duplicate``: a repeated series; ``per_process``: a row differing only by
             ``pid``); see :class:`MetricIndex`.
         models_dropped: models over ``max_models`` whose samples were dropped this scrape.
+        label_values_dropped: label name -> distinct values of it refused this scrape by
+            the per-engine cap over a window (:data:`MAX_LABEL_VALUES` within
+            :data:`LABEL_WINDOW_S`), their samples dropped.
         withheld: per-model traffic counters (:data:`TRAFFIC_COUNTERS`) not exported this
             scrape because they stay 0 for a model whose other traffic counters moved.
     """
@@ -621,6 +671,7 @@ class NormalizedScrape:
     restarted: bool = False
     merged: dict[str, int] = field(default_factory=dict)
     models_dropped: int = 0
+    label_values_dropped: dict[str, int] = field(default_factory=dict)
     withheld: int = 0
 
     def has(self, canonical: str, model: str | None = None) -> bool:
@@ -646,9 +697,13 @@ class AddonContext:
     instance: str
     batch: Batch
     fetch: Fetch
+    admits: Callable[[str | None], bool] = lambda _model: True
+    """Whether a model may get series (the normalizer's :meth:`Normalizer.admits`)."""
 
     def add(self, name: str, value: float | None, model: str | None, **labels: str) -> None:
-        """Add a catalogue sample with this engine's ``engine``/``instance``/``model``."""
+        """Add a catalogue sample with this engine's labels (none for a refused model)."""
+        if not self.admits(model):
+            return
         self.batch.add(
             name, value, engine=self.engine, instance=self.instance, model=model, **labels
         )
@@ -740,10 +795,16 @@ class Normalizer:
         mapping: the engine's mapping.
         engine: the ``engine`` label value (the configured engine name).
         instance: the ``instance`` label value (``host:port``).
-        max_models: distinct models kept (the ones under the most pressure; further ones
-            are dropped, counted and logged once per change).
+        max_models: distinct models kept in one scrape (the ones under the most pressure;
+            further ones are dropped, counted and logged once per change).
         clock: monotonic clock in seconds (histogram and ratio windows).
         window_s: length of the histogram quantile windows in seconds.
+        max_label_values: distinct values of ``model`` and of each label kept from the
+            engine admitted within ``label_window_s`` (:class:`ValueWindowCap`); samples
+            with a further value are dropped and counted in
+            :attr:`NormalizedScrape.label_values_dropped`, so a label that churns (a new
+            model name every scrape) keeps memory and series bounded.
+        label_window_s: seconds a value stays admitted after it was last seen.
     """
 
     def __init__(
@@ -754,6 +815,8 @@ class Normalizer:
         max_models: int = MAX_MODELS,
         clock: Callable[[], float] = time.monotonic,
         window_s: float = DEFAULT_WINDOW_S,
+        max_label_values: int = MAX_LABEL_VALUES,
+        label_window_s: float = LABEL_WINDOW_S,
     ) -> None:
         self.mapping = mapping
         self.engine = engine
@@ -773,6 +836,24 @@ class Normalizer:
         self._ratios: dict[tuple[str, str | None], deque[tuple[float, float, float]]] = {}
         self._log = LogOnce(log)
         self._warn = RateLimitedLog(log, 60.0)
+        # Per-engine caps on distinct label values over a window: ``model`` and each label
+        # kept from the engine's own series (the rules' keep_labels destinations).
+        kept = {dst for rule in mapping.rules for _, dst in rule.keep_labels}
+        self._label_caps = {
+            name: ValueWindowCap(max_label_values, label_window_s)
+            for name in sorted({"model", *kept})
+        }
+        self._refused: dict[str, set[str]] = {}
+        self._now = 0.0
+
+    @property
+    def capped_labels(self) -> tuple[str, ...]:
+        """The labels whose distinct values are capped per window (``model`` and kept ones)."""
+        return tuple(self._label_caps)
+
+    def admits(self, model: str | None) -> bool:
+        """True for no model or a model admitted by the label cap (for add-on samples)."""
+        return model is None or model in self._label_caps["model"]
 
     def normalize(
         self,
@@ -792,6 +873,8 @@ class Normalizer:
             The :class:`NormalizedScrape`. Never raises on engine data.
         """
         t = self.clock() if now is None else now
+        self._now = t
+        self._refused = {}
         self._scrape += 1
         self.tracker.begin()
         out = NormalizedScrape()
@@ -874,6 +957,20 @@ class Normalizer:
         self._window_ratios(out, t)
 
         out.models = sorted(admitted)
+        out.label_values_dropped = {k: len(v) for k, v in sorted(self._refused.items())}
+        if self._refused:
+            self._warn(
+                f"label-cap:{','.join(sorted(self._refused))}",
+                logging.WARNING,
+                "%s (%s): more than %d distinct values of %s within %.0f s; samples with "
+                "further values dropped (e.g. %s)",
+                self.engine,
+                self.instance,
+                self._label_caps["model"].limit,
+                "/".join(sorted(self._refused)),
+                self._label_caps["model"].window_s,
+                ", ".join(repr(v[:64]) for vs in self._refused.values() for v in sorted(vs)[:3]),
+            )
         if restarted:
             self.restarts += 1
             out.restarted = True
@@ -1205,6 +1302,12 @@ class Normalizer:
                     self.max_models,
                 )
             self._dropped = dropped
+        # Over a window too: at most max_label_values models (a model name that changes
+        # every scrape would otherwise be a new set of series every scrape).
+        models_cap = self._label_caps["model"]
+        for model in [m for m in ordered[: self.max_models] if not models_cap.admit(m, self._now)]:
+            admitted.discard(model)
+            self._refused.setdefault("model", set()).add(model)
         for model in admitted:
             self._models[model] = self._scrape
         if len(self._models) > 4 * self.max_models:
@@ -1246,6 +1349,11 @@ class Normalizer:
     ) -> None:
         if not math.isfinite(value):
             return
+        for name, label_value in extra:
+            cap = self._label_caps.get(name)
+            if cap is not None and not cap.admit(label_value, self._now):
+                self._refused.setdefault(name, set()).add(label_value)
+                return
         labels = make_labels(
             {"engine": self.engine, "instance": self.instance, "model": model, **dict(extra)}
         )
