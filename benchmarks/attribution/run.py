@@ -62,8 +62,6 @@ import e2e_support as es  # noqa: E402
 import faults  # noqa: E402
 from load import Result, run_load  # noqa: E402
 
-from agent.api import MAX_ATTRIBUTIONS_LIMIT  # noqa: E402
-
 SCENARIOS = ("calm", "memory", "compute", "storage", "network")
 EXPECTED = {"memory": "memory", "compute": "compute", "storage": "storage", "network": "network"}
 CAUSE_COLUMNS = (
