@@ -20,6 +20,8 @@ from typing import Any, Final
 
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
+from agent.logs import RateLimitedLog
+
 log = logging.getLogger(__name__)
 
 DEFAULT_SOCKET: Final = "/var/lib/kubelet/pod-resources/kubelet.sock"
@@ -144,12 +146,19 @@ def make_client(
         response_deserializer=response_cls.FromString,
     )
 
+    warn = RateLimitedLog(log, 60.0)
+
     def gpu_assignments() -> dict[str, Assignment]:
         try:
             return assignments_of(call(request_cls(), timeout=timeout_s))
         except grpc.RpcError as exc:
-            log.warning(
-                "pod-resources List failed: %s", exc.code() if hasattr(exc, "code") else exc
+            # the socket missing or the kubelet down: one line a minute with the count
+            warn(
+                "list-failed",
+                logging.WARNING,
+                "pod-resources List on %s failed: %s",
+                socket_path,
+                exc.code() if hasattr(exc, "code") else exc,
             )
             return {}
 

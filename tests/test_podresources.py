@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from concurrent import futures
 from pathlib import Path
 
@@ -70,3 +71,15 @@ def test_client_without_a_kubelet_returns_nothing(tmp_path: Path):
     client = make_client(str(tmp_path / "absent.sock"), timeout_s=0.5)
     assert client is not None
     assert client() == {}
+
+
+def test_a_missing_socket_is_no_assignments_and_one_warning_a_minute(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    client = make_client(str(tmp_path / "no-such.sock"), timeout_s=0.5)
+    assert client is not None
+    with caplog.at_level(logging.WARNING, logger="agent.podresources"):
+        got = [client() for _ in range(5)]  # the GPU sampler asks once per slow cycle
+    assert got == [{}] * 5
+    failed = [r for r in caplog.records if "pod-resources List" in r.getMessage()]
+    assert len(failed) == 1 and "no-such.sock" in failed[0].getMessage()
