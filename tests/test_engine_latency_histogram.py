@@ -184,6 +184,18 @@ def test_normalizer_export_is_reset_aware_and_never_decreases() -> None:
     assert _series(second.samples, H + "_sum", phase="e2e")[""] == pytest.approx(20.3)
 
 
+def test_an_impossible_sum_is_left_out_and_the_buckets_kept() -> None:
+    # hypothesis found a Triton-style exposition whose _sum is -1: the re-export carried it
+    n = Normalizer(ENGINE_TYPES["vllm"], "vllm", "a:8000")
+    name = "vllm:time_to_first_token_seconds"
+    for sum_s in (-1.0, math.inf):
+        body = _hist(name, "m", {"0.1": 2, "1.0": 5, "+Inf": 6}, sum_s)
+        out = n.normalize(parse_exposition(body, None), now=0.0).samples
+        assert _series(out, H + "_count", phase="ttft")[""] == 6
+        assert _series(out, H + "_bucket", phase="ttft")["0.1"] == 2
+        assert _series(out, H + "_sum", phase="ttft") == {}
+
+
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed")
 def test_exported_family_is_a_histogram_that_promtool_accepts() -> None:
     n = Normalizer(ENGINE_TYPES["vllm"], "vllm", "a:8000")

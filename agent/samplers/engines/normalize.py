@@ -1137,6 +1137,8 @@ class Normalizer:
             if model is not None and model not in admitted:
                 continue
             total = sum_of.get(key)
+            if total is not None and not (math.isfinite(total) and total >= 0):
+                total = None  # a latency sum cannot be negative or infinite: absent, not used
             snap = HistogramSnapshot.from_buckets(
                 pairs, None if total is None else total * rule.scale
             )
@@ -1177,12 +1179,16 @@ class Normalizer:
         hist: HistogramSnapshot,
         extra: LabelPairs,
     ) -> None:
-        """Emit ``name``'s ``_bucket`` (per bound), ``_count`` and, if known, ``_sum``."""
+        """Emit ``name``'s ``_bucket`` (per bound), ``_count`` and, if known, ``_sum``.
+
+        A ``_sum`` that cannot be true for latencies (negative, e.g. after an engine's sum
+        went down between scrapes while its counts grew) is left out, never exported.
+        """
         for bound, cum in zip(hist.bounds, hist.cumulative, strict=True):
             le = "+Inf" if math.isinf(bound) else repr(float(bound))
             self._emit(out, f"{name}_bucket", model, cum, (*extra, ("le", le)))
         self._emit(out, f"{name}_count", model, hist.count, extra)
-        if hist.sum is not None:
+        if hist.sum is not None and math.isfinite(hist.sum) and hist.sum >= 0:
             self._emit(out, f"{name}_sum", model, hist.sum, extra)
 
     def _window_for(
