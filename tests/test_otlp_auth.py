@@ -10,8 +10,7 @@ keeps asking for the password.
 from __future__ import annotations
 
 import asyncio
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import bcrypt
@@ -30,28 +29,14 @@ TOKEN = "0123456789abcdef-otlp-token"
 
 
 @pytest.fixture
-def start_agent() -> Iterator[Callable[[Path], tuple[Daemon, asyncio.AbstractEventLoop]]]:
-    stops: list[tuple[asyncio.AbstractEventLoop, Daemon, threading.Thread]] = []
-
+def start_agent(
+    run_daemon: Callable[[Daemon], asyncio.AbstractEventLoop],
+) -> Callable[[Path], tuple[Daemon, asyncio.AbstractEventLoop]]:
     def start(config: Path) -> tuple[Daemon, asyncio.AbstractEventLoop]:
         d = Daemon(load(config), config_path=config)
-        loop = asyncio.new_event_loop()
-        ready = threading.Event()
+        return d, run_daemon(d)
 
-        def main() -> None:
-            asyncio.set_event_loop(loop)
-            loop.run_until_complete(d.run(ready=ready.set))
-
-        t = threading.Thread(target=main, daemon=True)
-        t.start()
-        assert ready.wait(5)
-        stops.append((loop, d, t))
-        return d, loop
-
-    yield start
-    for loop, d, t in stops:
-        loop.call_soon_threadsafe(d.request_stop)
-        t.join(5)
+    return start
 
 
 def _post(port: int, token: str | None, **kw: object) -> httpx.Response:

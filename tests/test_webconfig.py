@@ -7,13 +7,10 @@ client certificates.
 
 from __future__ import annotations
 
-import asyncio
 import shutil
 import ssl
 import subprocess
 import sys
-import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import bcrypt
@@ -70,29 +67,14 @@ def _web_config(pki: Path, client_auth: str = "NoClientCert", users: bool = True
 
 
 @pytest.fixture
-def agent_with(pki: Path) -> Iterator:
-    stops = []
-
+def agent_with(pki: Path, run_daemon):
     def start(web: Path) -> int:
         d = Daemon(parse(f"listen: '127.0.0.1:0'\nweb_config_file: '{web}'\n{QUIET}"))
-        loop = asyncio.new_event_loop()
-        ready = threading.Event()
-
-        def main() -> None:
-            asyncio.set_event_loop(loop)
-            loop.run_until_complete(d.run(ready=ready.set))
-
-        t = threading.Thread(target=main, daemon=True)
-        t.start()
-        assert ready.wait(5)
-        stops.append((loop, d, t))
+        run_daemon(d)
         assert d.bound_port is not None
         return d.bound_port
 
-    yield start
-    for loop, d, t in stops:
-        loop.call_soon_threadsafe(d.request_stop)
-        t.join(5)
+    return start
 
 
 def test_tls_and_basic_auth_with_a_real_client(pki: Path, agent_with) -> None:
