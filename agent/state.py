@@ -61,11 +61,18 @@ class AgentState:
         self._reports: dict[str, SamplerReport] = {}
         self._lock = threading.Lock()
         self._c = _Counters()
+        self._version = 0
+
+    @property
+    def version(self) -> int:
+        """Changes whenever :meth:`samples` may yield something else; exporters cache on it."""
+        return self._version
 
     def publish(self, report: SamplerReport) -> None:
         """Store ``report`` as its sampler's latest and append its samples to the timeline."""
         with self._lock:
             self._reports[report.sampler] = report
+            self._version += 1
             if not report.ok:
                 self._c.failures[(report.sampler, report.reason or "error")] += 1
         if report.ok and report.batch is not None:
@@ -75,16 +82,19 @@ class AgentState:
         """Forget a sampler that was stopped (removed engine, reload)."""
         with self._lock:
             self._reports.pop(sampler, None)
+            self._version += 1
 
     def count_reload(self, result: str) -> None:
         """Count a SIGHUP reload with ``result`` ``ok`` or ``invalid``."""
         with self._lock:
             self._c.reloads[result] += 1
+            self._version += 1
 
     def count_unknown_sample(self) -> None:
         """Count a sample the exporter dropped because its name is not in the catalogue."""
         with self._lock:
             self._c.unknown_samples += 1
+            self._version += 1
 
     def reports(self) -> list[SamplerReport]:
         """Return the latest report of every sampler, sorted by sampler name."""

@@ -108,3 +108,65 @@ def test_snapshot_keeps_source_statuses_of_a_batch_without_samples():
     assert sampler["sources"] == [
         {"source": "nvml", "state": "unsupported", "reason": "library_not_found"}
     ]
+
+
+OPENMETRICS = "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5"
+
+
+def _host_batch(value: float) -> Batch:
+    b = Batch()
+    b.add("kvpressure_host_memory_available_bytes", value)
+    return b
+
+
+def test_cache_renders_once_per_change_and_per_format(monkeypatch):
+    import gzip
+
+    from exporters import prometheus as exp
+
+    state = _state_with(_host_batch(1.0))
+    registry = make_registry(state)
+    cache = exp.ExpositionCache(registry, lambda: state.version)
+    calls = []
+    real = registry.collect
+
+    def counting():
+        calls.append(1)
+        return real()
+
+    monkeypatch.setattr(registry, "collect", counting)
+    text1, ct_text, z = cache.get(None, None)
+    assert ct_text.startswith("text/plain") and not z
+    assert cache.get(None, None)[0] is text1  # same state, same format: no new rendering
+    assert len(calls) == 1
+    om, ct_om, _ = cache.get(OPENMETRICS, None)
+    assert ct_om.startswith("application/openmetrics-text")
+    assert om.endswith(b"# EOF\n") and om != text1
+    assert (om, ct_om) == render(registry, OPENMETRICS)  # negotiation as before
+    assert len(calls) == 3  # one rendering per format (render() above is the third)
+    zipped, _, z = cache.get(OPENMETRICS, "gzip")
+    assert z and gzip.decompress(zipped) == om
+    assert len(calls) == 3  # gzip reuses the plain body of the same version
+    state.publish(SamplerReport("test", 2.0, 0.001, True, "", _host_batch(2.0)))
+    text2, _, _ = cache.get(None, None)
+    assert text2 != text1 and b" 2.0" in text2  # a publish invalidates the cached body
+
+
+@pytest.mark.parametrize(
+    ("header", "expected"),
+    [
+        (None, False),
+        ("", False),
+        ("gzip", True),
+        ("deflate, gzip;q=0.5", True),
+        ("gzip;q=0", False),
+        ("br", False),
+        ("*", True),
+        ("GZIP ; q=1.0", True),
+        ("gzip;q=x", False),
+    ],
+)
+def test_accepts_gzip(header, expected):
+    from exporters.prometheus import accepts_gzip
+
+    assert accepts_gzip(header) is expected
