@@ -7,8 +7,10 @@
 * ``deploy/kvpressure.yaml`` and the Kubernetes ConfigMap pass ``kvpressure check-config``.
 * Core Kubernetes objects validate against the Kubernetes JSON schemas
   (``kubernetes-validate``, strict); the Prometheus-Operator ``PodMonitor`` and
-  ``PrometheusRule`` (CRDs, no bundled schema) are checked structurally, and the
-  PrometheusRule must equal ``deploy/prometheus/kvpressure-rules.yml``.
+  ``PrometheusRule`` validate against the operator's own CRDs (v0.93.0, vendored in
+  tests/fixtures/crds/, through tests/k8s_crd.py: unknown fields rejected, ObjectMeta
+  checked), are checked structurally, and the PrometheusRule must equal
+  ``deploy/prometheus/kvpressure-rules.yml``.
 """
 
 import os
@@ -205,6 +207,24 @@ CORE = {
 @pytest.mark.parametrize("name", sorted(CORE))
 def test_core_objects_validate_against_kubernetes_schemas(name, version):
     kubernetes_validate.validate(CORE[name], version, strict=True)
+
+
+CRD_FILES = {
+    "PodMonitor": "monitoring.coreos.com_podmonitors.yaml",
+    "PrometheusRule": "monitoring.coreos.com_prometheusrules.yaml",
+}
+
+
+@pytest.mark.parametrize("name", sorted(set(OBJECTS) - set(CORE) - {"Kustomization/kustomization"}))
+def test_custom_resources_validate_against_their_crds(name):
+    from k8s_crd import load_crd
+
+    obj = OBJECTS[name]
+    crd = load_crd(CRD_FILES[obj["kind"]])
+    assert crd.errors(obj) == []
+    # the CRD is strict where it should be: a misspelt field is refused, not pruned
+    bad = {**obj, "spec": {**obj["spec"], "podMetricEndpoints": []}}
+    assert any("'podMetricEndpoints' was unexpected" in e for e in crd.errors(bad))
 
 
 def test_manifest_set_is_complete_and_listed_in_kustomization():
