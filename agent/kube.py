@@ -153,6 +153,9 @@ class EnginePods:
     keeps its series), and replaced when another process (a new pod) does. An engine not on
     loopback, whose PID is not in a pod (a host process) or cannot be read, has none.
 
+    The scan runs in the thread of the engine sampler that found it due, outside the lock:
+    the other engines' samplers go on with the labels already known, never waiting for it.
+
     Args:
         engine_pids: ``() -> {pid: engine name}``; may raise (the last answer is kept).
         procfs: the proc filesystem the PIDs live in (the host's, with ``hostPID``).
@@ -182,6 +185,7 @@ class EnginePods:
         self._clock = clock
         self._lock = threading.Lock()
         self._refreshed: float | None = None
+        self._scanning = False
         self._pending: set[str] = set()  # asked for, not yet in an engine_pids() answer
         self._settled: set[str] = set()  # considered by an engine_pids() answer
         self._pods: dict[str, tuple[int, PodRef | None]] = {}
@@ -207,8 +211,25 @@ class EnginePods:
                 self._pending.add(engine)  # no engine_pids() answer has considered it yet
                 if self._refreshed is not None and now - self._refreshed >= self._retry_s:
                     due = True
-            if due:
-                self._refresh(now)
+            scan = due and not self._scanning
+            if scan:
+                # one caller scans, outside the lock; the others go on with what is known
+                self._scanning = True
+                self._refreshed = now
+                self._settled |= self._pending
+                self._pending.clear()
+        if scan:
+            try:
+                pids: dict[int, str] | None = dict(self._engine_pids())
+            except Exception:  # noqa: BLE001 - a failing source keeps the last answer
+                pids = None
+            with self._lock:
+                self._scanning = False
+                if pids is None:
+                    self.errors += 1
+                else:
+                    self._apply(pids)
+        with self._lock:
             out = self._labels.get(engine)
             if out is None:
                 return {}
@@ -219,15 +240,8 @@ class EnginePods:
                     out = self._labels[engine] = self._with_names(out["pod_uid"])
             return dict(out)
 
-    def _refresh(self, now: float) -> None:
-        self._refreshed = now
-        self._settled |= self._pending
-        self._pending.clear()
-        try:
-            pids = dict(self._engine_pids())
-        except Exception:  # noqa: BLE001 - a failing source keeps the last answer
-            self.errors += 1
-            return
+    def _apply(self, pids: dict[int, str]) -> None:
+        """Take one ``engine_pids()`` answer: each listed engine's PID and pod."""
         for pid, engine in pids.items():
             known = self._pods.get(engine)
             if known is not None and known[0] == pid:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -124,6 +125,31 @@ def test_label_sets_stay_steady_and_bounded(tmp_path: Path) -> None:
     assert pids.calls - calls == 1 + 50 // 30
     # one label set per engine, whatever the number of cycles
     assert len(pods._labels) == 1
+
+
+def test_a_slow_scan_holds_up_no_other_engine(tmp_path: Path) -> None:
+    cgroup(tmp_path, 4242, containerd_v2(UID))
+    clock = Clock()
+    release = threading.Event()
+    slow = False
+
+    def engine_pids() -> dict[int, str]:
+        if slow:
+            release.wait(10)
+        return {4242: "vllm"}
+
+    pods = EnginePods(engine_pids, tmp_path, clock=clock)
+    assert pods.labels("vllm") == {"pod_uid": UID}
+    slow = True
+    clock.t += 31
+    scanning = threading.Thread(target=pods.labels, args=("vllm",))
+    scanning.start()
+    time.sleep(0.1)  # the scan is now blocked in engine_pids()
+    t0 = time.monotonic()
+    assert pods.labels("vllm") == {"pod_uid": UID}
+    assert time.monotonic() - t0 < 1
+    release.set()
+    scanning.join(5)
 
 
 def test_names_arrive_later_without_dropping_the_uid(tmp_path: Path) -> None:
