@@ -32,6 +32,7 @@ from agent import logs
 from agent.api import attribution_routes, make_app
 from agent.attribution.store import AttributionStore
 from agent.config import Config, ConfigError, EngineConfig, load, read_token
+from agent.kube import EnginePods, names_from_process_rows
 from agent.listener import (
     IDLE_TIMEOUT_S,
     BoundedSite,
@@ -246,6 +247,13 @@ class Daemon:
         )
         self.otlp_export: OtlpExport | None = None
         self._otlp_spec: object = None
+        # Each engine's pod (its listening PID's cgroup), put on its series as labels.
+        self.engine_pods = EnginePods(
+            self._engine_pids,
+            names=lambda uid: names_from_process_rows(
+                self.state.latest("kvpressure_gpu_process_memory_bytes"), uid
+            ),
+        )
 
     # ---- sampler set ---------------------------------------------------------------
     def _desired(self, cfg: Config) -> dict[str, tuple[object, Callable[[], Sampler]]]:
@@ -306,8 +314,9 @@ class Daemon:
                     from agent.samplers.engines import make_engine_sampler
 
                     return make_engine_sampler(
-                        name=s.name, url=s.url, engine_type=s.type, interval_s=s.interval_s
-                    )
+                        name=s.name, url=s.url, engine_type=s.type, interval_s=s.interval_s,
+                        pod_labels=self.engine_pods.labels,
+                    )  # fmt: skip
 
                 out[f"engine:{e.label}"] = (espec, engine_factory)
         req_interval = cfg.interval_s

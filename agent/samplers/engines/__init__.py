@@ -16,6 +16,8 @@ and a golden test; the normalizer does not change.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+
 import httpx
 
 from agent.samplers.engines.base import (
@@ -46,6 +48,7 @@ def make_engine_sampler(
     interval_s: float = 1.0,
     timeout_s: float | None = None,
     transport: httpx.BaseTransport | None = None,
+    pod_labels: Callable[[str], Mapping[str, str]] | None = None,
 ) -> EngineSampler:
     """Build the sampler for one configured engine endpoint.
 
@@ -56,6 +59,7 @@ def make_engine_sampler(
         interval_s: seconds between collections.
         timeout_s: collection budget in seconds (default ``max(interval_s, 2.0)``).
         transport: optional ``httpx`` transport (tests).
+        pod_labels: the engine's pod labels by engine name (:class:`EngineSampler`).
 
     Returns:
         An :class:`EngineSampler`.
@@ -70,4 +74,5 @@ def make_engine_sampler(
         interval_s=interval_s,
         timeout_s=timeout_s,
         transport=transport,
+        pod_labels=pod_labels,
     )
