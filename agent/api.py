@@ -99,7 +99,7 @@ def make_app(
         middlewares: aiohttp middlewares (the listener's
             :attr:`agent.listener.ConnectionCap.middleware`).
     """
-    cache = ExpositionCache(registry, lambda: state.version)
+    cache = ExpositionCache(registry, state)
 
     async def metrics(request: web.Request) -> web.Response:
         body, content_type, zipped = cache.get(

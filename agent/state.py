@@ -94,7 +94,6 @@ class AgentState:
         """Count a sample the exporter dropped because its name is not in the catalogue."""
         with self._lock:
             self._c.unknown_samples += 1
-            self._version += 1
 
     def reports(self) -> list[SamplerReport]:
         """Return the latest report of every sampler, sorted by sampler name."""
