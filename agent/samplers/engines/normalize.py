@@ -444,7 +444,7 @@ class MetricIndex:
                 if latest.pop(key, None) is not None:
                     self.duplicates += 1  # a repeated series: the last copy wins
                 latest[key] = Series(s.name, labels, s.value, fam)
-                if not per_process and not PER_PROCESS_LABELS.isdisjoint(labels):
+                if not per_process and any(k in labels for k in PER_PROCESS_LABELS):
                     per_process = True
         if not per_process:  # the common case: nothing to collapse
             for series in latest.values():
