@@ -169,6 +169,28 @@ def _engine_cgroups(cfg: Config) -> dict[str, str]:
     return out
 
 
+class _Once:
+    def __init__(self, runners: dict[str, SamplerRunner], state: AgentState) -> None:
+        self.runners = runners
+        self.state = state
+
+    def tick(self) -> None:
+        order = sorted(
+            self.runners,
+            key=lambda n: (
+                n not in ("host", "gpu") and not n.startswith("engine:"),
+                not n.startswith("engine:"),
+                n,
+            ),
+        )
+        for name in order:
+            self.state.publish(self.runners[name].collect_once())
+
+    def close(self) -> None:
+        for r in self.runners.values():
+            r.sampler.close()
+
+
 class Daemon:
     """The running agent.
 
@@ -246,6 +268,20 @@ class Daemon:
         )
         self.otlp_export: OtlpExport | None = None
         self._otlp_spec: object = None
+
+    @property
+    def registry(self) -> object:
+        """The Prometheus registry ``/metrics`` renders."""
+        return self._registry
+
+    def pipeline_once(self) -> _Once:
+        """Build every stage the config asks for, to run tick by tick on the caller's thread."""
+        self._apply_otlp_export(self.config)
+        runners = {
+            name: SamplerRunner(factory(), self.state, spec)
+            for name, (spec, factory) in self._desired(self.config).items()
+        }
+        return _Once(runners, self.state)
 
     # ---- sampler set ---------------------------------------------------------------
     def _desired(self, cfg: Config) -> dict[str, tuple[object, Callable[[], Sampler]]]:

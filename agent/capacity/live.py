@@ -238,6 +238,8 @@ def growth_rate(points: list[tuple[float, float]]) -> float | None:
     if len(points) < 3:
         return None
     n = len(points)
+    if len({v for _, v in points}) == 1:
+        return 0.0  # constant: exactly flat (the mean of equal floats can differ from them)
     mt = sum(t for t, _ in points) / n
     mv = sum(v for _, v in points) / n
     den = sum((t - mt) ** 2 for t, _ in points)
