@@ -14,7 +14,7 @@ import threading
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
-from agent.requests.histograms import histogram_quantile
+from agent.histograms import histogram_quantile
 
 BANDS: tuple[tuple[str, float, float], ...] = (
     ("0-50", 0.0, 0.50),
@@ -142,7 +142,7 @@ class BandStats:
 def quantile(q: float, buckets: Iterable[tuple[float, float]]) -> float | None:
     """Return the ``q`` quantile from cumulative ``(upper bound, count)`` buckets.
 
-    Sorts the pairs and applies :func:`agent.requests.histograms.histogram_quantile`
+    Sorts the pairs and applies :func:`agent.histograms.histogram_quantile`
     (Prometheus' rule: linear within a bucket, the lowest bucket starting at 0, the
     highest finite bound when the quantile falls in ``+Inf``). ``None`` without
     observations.

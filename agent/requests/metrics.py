@@ -21,8 +21,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from agent.pipeline import Context, Plan, Sampler, Stage, register
 from agent.requests.record import RequestRecord, RequestStream
-from agent.samplers.base import Sampler
 from agent.samples import Batch
 
 LATENCY_METRIC = "kvpressure_request_latency_seconds"
@@ -277,3 +277,14 @@ class RequestMetrics(Sampler):
             batch.add(DROPPED_METRIC, n, consumer=consumer)
         for source in self._sources:
             source.add_samples(batch)
+
+
+@register(
+    "requests",
+    Stage.DERIVED,
+    "request latency histograms, outcomes and tokens from the request stream",
+)
+def _plan(ctx: Context) -> list[Plan]:
+    interval = ctx.interval_s("requests")
+    return [Plan("requests", ("requests", interval),
+                 lambda: RequestMetrics(ctx.requests, interval_s=interval))]  # fmt: skip

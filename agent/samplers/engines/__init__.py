@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import httpx
 
+from agent.pipeline import Context, Plan, Stage, register
 from agent.samplers.engines.base import (
     AUTO,
     EngineSampler,
@@ -71,3 +72,22 @@ def make_engine_sampler(
         timeout_s=timeout_s,
         transport=transport,
     )
+
+
+@register(
+    "engines",
+    Stage.SOURCE,
+    "each configured or discovered engine's /metrics, mapped to the catalogue",
+    label="engine",
+)
+def _plan(ctx: Context) -> list[Plan]:
+    interval = ctx.interval_s("engines")
+    out: list[Plan] = []
+    for e in ctx.engines:
+        spec = ("engine", e.label, e.url, e.type, interval)
+
+        def build(name: str = e.label, url: str = e.url, kind: str = e.type) -> EngineSampler:
+            return make_engine_sampler(name=name, url=url, engine_type=kind, interval_s=interval)
+
+        out.append(Plan(f"engine:{e.label}", spec, build))
+    return out
