@@ -19,7 +19,7 @@ import signal
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry
@@ -29,31 +29,21 @@ from agent.api import attribution_routes, make_app
 from agent.attribution.store import AttributionStore
 from agent.config import Config, ConfigError, load, read_token
 from agent.discovery import Discovery, Probe, engine_pids
-from agent.listener import (
-    IDLE_TIMEOUT_S,
-    BoundedSite,
-    ConnectionCap,
-    ServerLog,
-    install_accept_error_handler,
-)
+from agent.listener import ConnectionCap, install_accept_error_handler, start_site
 from agent.pipeline import Sampler
-from agent.requests.otlp_receiver import PATH as OTLP_PATH
 from agent.requests.otlp_receiver import OtlpReceiver
-from agent.requests.proxies import PROXY_DRAIN_S, ProxySet
+from agent.requests.proxies import ProxySet
 from agent.requests.proxy import RequestProxy
 from agent.requests.record import RequestStream
-from agent.samples import Batch
 from agent.scheduler import Once, Runners, SamplerRunner
 from agent.sdnotify import Notifier
 from agent.state import AgentState
 from agent.timeline import Timeline
 from agent.webconfig import WebSecurity, load_web_config
+from exporters.otlp_slot import ExportSlot
 from exporters.prometheus import make_registry
 
-if TYPE_CHECKING:
-    from exporters.otlp import OtlpExport
-
-__all__ = ["PROXY_DRAIN_S", "SHUTDOWN_GRACE_S", "Daemon", "SamplerRunner"]
+__all__ = ["SHUTDOWN_GRACE_S", "Daemon", "SamplerRunner"]
 
 log = logging.getLogger(__name__)
 
@@ -120,28 +110,22 @@ class Daemon:
             otlp.enabled,
             bearer_token=read_token(otlp.bearer_token_file) if otlp.bearer_token_file else None,
         )
-        self.state.add_health("otlp-receiver", self._receiver_health)
+        self.state.add_health("otlp-receiver", self.otlp_receiver.health_samples)
         if self.web is not None:
             # With a bearer token the receiver checks its own clients: an exporter cannot
             # send basic auth and a bearer token in one Authorization header.
-            self.web.exempt = self._otlp_checks_itself
+            self.web.exempt = self.otlp_receiver.checks_itself
         self._proxies = ProxySet(self.request_stream)
         # Attribution: the store (history, slow counts) outlives sampler rebuilds on reload.
         self.attributions = AttributionStore(
             config.attribution.recent_requests, config.attribution.recent_attributions
         )
-        self.otlp_export: OtlpExport | None = None
-        self._otlp_spec: object = None
+        self._export = ExportSlot(self.state)
 
     @property
     def proxies(self) -> dict[str, RequestProxy]:
         """The request proxies listening now, by ``listen`` address."""
         return self._proxies.proxies
-
-    def _receiver_health(self) -> list[Any]:
-        batch = Batch()
-        self.otlp_receiver.add_samples(batch)
-        return batch.samples
 
     # ---- the pipeline ----------------------------------------------------------------
     def plans(self, cfg: Config) -> dict[str, pipeline.Planned]:
@@ -154,41 +138,19 @@ class Daemon:
             attributions=self.attributions,
             engines=engines,
             engine_pids=lambda: engine_pids(engines),
-            span_sink=self.otlp_export,
+            span_sink=self._export.export,
         )
         return pipeline.plan(ctx)
 
     def pipeline_once(self) -> Once:
         """Build every stage the config asks for, to run tick by tick on the caller's thread."""
-        self._apply_otlp_export(self.config)
+        self._export.apply(self.config.otlp_export, self.config.attribution.span_parent)
         return Once(self.plans(self.config), self.state)
 
     def _apply(self, cfg: Config) -> None:
         """Start, keep or stop runners so they match ``cfg``."""
-        self._apply_otlp_export(cfg)
+        self._export.apply(cfg.otlp_export, cfg.attribution.span_parent)
         self._runners.apply(self.plans(cfg), self._extra)
-
-    def _apply_otlp_export(self, cfg: Config) -> None:
-        """Start, keep or replace the OTLP exporter so it matches ``cfg.otlp_export``."""
-        spec = cfg.otlp_export if cfg.otlp_export.endpoint else None
-        key = (spec, cfg.attribution.span_parent) if spec is not None else None
-        if key == self._otlp_spec:
-            return
-        old, self.otlp_export, self._otlp_spec = self.otlp_export, None, key
-        if old is not None:
-            self.state.remove_health("otlp-export")
-            old.shutdown(0.5)
-        if spec is None:
-            return
-        from exporters.otlp import OtlpExport
-
-        self.otlp_export = OtlpExport(
-            self.state, spec.endpoint, spec.headers, spec.interval_s, spec.queue_size,
-            spec.timeout_s, cfg.attribution.span_parent, export_metrics=spec.metrics,
-        )  # fmt: skip
-        self.otlp_export.start()
-        self.state.add_health("otlp-export", self.otlp_export.health_samples)
-        log.info("OTLP export on", extra={"kv": {"endpoint": spec.endpoint}})
 
     async def _discovery_loop(self) -> None:
         while True:
@@ -271,10 +233,6 @@ class Daemon:
         error = str(exc) if isinstance(exc, ConfigError) else f"{type(exc).__name__}: {exc}"
         log.error(message, extra={"kv": {"error": error[:500]}})
 
-    def _otlp_checks_itself(self, request: web.Request) -> bool:
-        """True for ``/v1/traces`` while the OTLP receiver has a bearer token."""
-        return request.path == OTLP_PATH and self.otlp_receiver.bearer_token is not None
-
     def _adopt(self, new: Config, token: bytes | None = None) -> None:
         old = self.config
         self.config = new
@@ -300,16 +258,8 @@ class Daemon:
         try:
             await self._serve(host, port)
         except OSError as exc:
-            log.error(
-                "cannot listen on the reloaded address; still listening on the old one",
-                extra={
-                    "kv": {
-                        "address": f"{host}:{port}",
-                        "listening": self._listen,
-                        "error": f"{type(exc).__name__}: {exc}",
-                    }
-                },
-            )
+            kv = {"address": f"{host}:{port}", "listening": self._listen, "error": f"{exc!r}"}
+            log.error("cannot listen on the reloaded address; keeping the old", extra={"kv": kv})
 
     # ---- HTTP ----------------------------------------------------------------------
     def _engine_labels(self) -> set[str]:
@@ -340,27 +290,12 @@ class Daemon:
         if self.web is not None and self.web.auth_required:
             middlewares.append(self.web.middleware)
         app = make_app(self.state, self.registry, routes, middlewares=middlewares)
-        runner = web.AppRunner(
-            app,
-            access_log=None,
-            handle_signals=False,
-            shutdown_timeout=0.5,
-            keepalive_timeout=IDLE_TIMEOUT_S,
-            logger=ServerLog(cap.name),
-        )
-        await runner.setup()
         ssl_context = self.web.ssl_context if self.web is not None else None
-        site = BoundedSite(runner, listen_host, listen_port, cap, ssl_context)
-        try:
-            await site.start()
-        except BaseException:
-            await runner.cleanup()
-            raise
+        runner, self.bound_port = await start_site(app, listen_host, listen_port, cap, ssl_context)
         old, self._site_runner = self._site_runner, runner
         self.api_cap = cap
         self._listen = f"{listen_host}:{listen_port}"
         self._listen_addr = (listen_host, listen_port)
-        self.bound_port = site.port
         log.info("listening", extra={"kv": {"address": f"{listen_host}:{self.bound_port}"}})
         if old is not None:
             await old.cleanup()
@@ -394,7 +329,7 @@ class Daemon:
         tasks = [
             asyncio.create_task(self._discovery_loop()),
             asyncio.create_task(self._watchdog()),
-            asyncio.create_task(self._systemd_loop()),
+            asyncio.create_task(self.notifier.keepalive(self._all_stuck, self._status_line)),
         ]
         self.notifier.ready(self._status_line())
         if ready:
@@ -419,27 +354,9 @@ class Daemon:
         up = sum(1 for r in reports if r.ok)
         return f"listening on {self._listen}; {up}/{len(self._runners.runners)} samplers up"
 
-    async def _systemd_loop(self) -> None:
-        """Send WATCHDOG=1 at half of WatchdogSec, and a STATUS= line every 10 s.
-
-        The ping is skipped while every sampler is timed out, so systemd restarts an agent
-        whose samplers are all wedged (a hung driver call) rather than one that is merely
-        busy.
-        """
-        if not self.notifier.enabled:
-            return
-        interval = self.notifier.watchdog_interval_s or 10.0
-        last_status = 0.0
-        while True:
-            reports = self.state.reports()
-            all_stuck = bool(reports) and all(r.reason == "timeout" for r in reports)
-            if self.notifier.watchdog_interval_s and not all_stuck:
-                self.notifier.watchdog()
-            now = time.monotonic()
-            if now - last_status >= 10.0:
-                self.notifier.status(self._status_line())
-                last_status = now
-            await asyncio.sleep(min(interval, 10.0))
+    def _all_stuck(self) -> bool:
+        reports = self.state.reports()
+        return bool(reports) and all(r.reason == "timeout" for r in reports)
 
     def request_stop(self) -> None:
         """Ask :meth:`run` to return (thread-safe only from the loop's thread)."""
@@ -453,8 +370,8 @@ class Daemon:
 
     async def _shutdown(self) -> None:
         await self._proxies.close()
-        if self.otlp_export is not None:
-            await asyncio.to_thread(self.otlp_export.shutdown, 0.5)
+        if self._export.export is not None:
+            await asyncio.to_thread(self._export.export.shutdown, 0.5)
         runners = self._runners.stop()
         deadline = time.monotonic() + SHUTDOWN_GRACE_S
         for r in runners:

@@ -77,7 +77,7 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
 
 from agent.requests.metrics import MAX_ENGINES, LabelCap
 from agent.requests.record import RequestRecord, RequestStream
-from agent.samples import Batch
+from agent.samples import Batch, Sample
 
 log = logging.getLogger(__name__)
 
@@ -760,6 +760,16 @@ class OtlpReceiver:
         return self.export(decode(body, media))
 
     # ---- self metrics ----------------------------------------------------------------
+    def checks_itself(self, request: web.Request) -> bool:
+        """True for ``/v1/traces`` while a bearer token is set (web-config auth exemption)."""
+        return request.path == PATH and self.bearer_token is not None
+
+    def health_samples(self) -> list[Sample]:
+        """The receiver's counters (:meth:`add_samples`), rendered with the agent's own."""
+        batch = Batch()
+        self.add_samples(batch)
+        return batch.samples
+
     def add_samples(self, batch: Batch) -> None:
         """Add the receiver's counters to ``batch``.
 
