@@ -20,7 +20,7 @@ import stat
 from collections.abc import Mapping
 from importlib import resources
 from pathlib import Path
-from typing import Annotated, Any, Final, Literal
+from typing import Annotated, Any, Final, Literal, get_args
 from urllib.parse import urlsplit
 
 import yaml
@@ -39,10 +39,12 @@ log = logging.getLogger(__name__)
 MAX_CONFIG_BYTES: Final = 1024 * 1024
 """A config file larger than this (1 MiB; the shipped one is ~1.5 KiB) is refused unread."""
 
-ENGINE_TYPES = ("auto", "vllm", "sglang", "llamacpp", "tgi", "trtllm", "triton", "lmcache", "kvbm")
 EngineType = Literal[
     "auto", "vllm", "sglang", "llamacpp", "tgi", "trtllm", "triton", "lmcache", "kvbm"
 ]
+"""``auto`` and the keys of :data:`agent.samplers.engines.ENGINE_TYPES` (a test keeps them
+equal: a new engine type is its mapping module, one line in the registry and one here)."""
+ENGINE_TYPES: tuple[str, ...] = get_args(EngineType)
 
 _DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(ms|s|m|h)?\s*$")
 _UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
