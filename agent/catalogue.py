@@ -13,7 +13,7 @@ Naming follows Prometheus conventions: base units (bytes, seconds), ratios in 0-
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Final, Literal
+from typing import Final, Literal, cast
 
 Kind = Literal["gauge", "counter", "histogram", "info"]
 
@@ -1444,6 +1444,19 @@ def metric_of_sample(sample_name: str) -> Metric | None:
             if h is not None and h.kind == "histogram":
                 return h
     return None
+
+
+def histogram_names(name: str) -> tuple[SampleName, SampleName, SampleName]:
+    """The ``_bucket``, ``_count`` and ``_sum`` sample names of catalogued histogram ``name``.
+
+    Raises:
+        KeyError: ``name`` is not a histogram of the catalogue.
+    """
+    m = CATALOGUE.get(name)
+    if m is None or m.kind != "histogram":
+        raise KeyError(f"{name!r} is not a catalogued histogram")
+    names = (f"{name}_bucket", f"{name}_count", f"{name}_sum")
+    return cast("tuple[SampleName, SampleName, SampleName]", names)
 
 
 def markdown_table() -> str:

@@ -18,8 +18,8 @@ from prometheus_client.registry import CollectorRegistry
 
 from agent.catalogue import CATALOGUE
 from agent.samplers import nvml_binding as nb
-from agent.samplers.fake_nvml import MIB, FakeNvml, list_profiles, load_profile
 from agent.samplers.accelerator import AcceleratorSampler, StallThresholds, stall_reason
+from agent.samplers.fake_nvml import MIB, FakeNvml, list_profiles, load_profile
 from agent.samplers.gpu import GpuSampler
 from agent.samples import Batch, make_labels
 from agent.state import AgentState, SamplerReport

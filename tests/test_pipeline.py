@@ -262,3 +262,15 @@ def test_runners_survive_a_factory_that_raises():
     report = state.report("bad")
     assert report is not None and not report.ok and report.reason == "init"
     assert threading.active_count() >= 1
+
+
+def test_closed_sets_are_types_that_match_their_runtime_sets():
+    from agent.attribution.model import ALL_CAUSES, Cause
+    from agent.attribution.rules import RULES
+    from agent.requests.record import OUTCOMES, Outcome
+    from agent.samples import SourceState
+
+    assert set(get_args(Cause)) == set(ALL_CAUSES)
+    assert {r.cause for r in RULES} <= set(ALL_CAUSES)
+    assert set(get_args(Outcome)) == OUTCOMES
+    assert set(get_args(SourceState)) == {"ok", "error", "unsupported"}

@@ -105,7 +105,7 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from agent.attribution.model import ENGINE_METRICS, Evidence
+from agent.attribution.model import ENGINE_METRICS, Cause, Evidence
 from agent.attribution.signals import Signals
 from agent.requests.record import RequestRecord
 
@@ -232,7 +232,7 @@ class RuleSpec:
     """
 
     name: str
-    cause: str
+    cause: Cause
     weight: float
     threshold: float
     saturation: float

@@ -75,6 +75,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
 
+from agent import catalogue
 from agent.requests.metrics import MAX_ENGINES, LabelCap
 from agent.requests.record import RequestRecord, RequestStream
 from agent.samples import Batch, Sample
@@ -86,9 +87,9 @@ DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 PROTOBUF = "application/x-protobuf"
 JSON = "application/json"
 
-SPANS_METRIC = "kvpressure_otlp_spans_received_total"
-ATTRIBUTES_DROPPED_METRIC = "kvpressure_otlp_span_attributes_dropped_total"
-REQUESTS_METRIC = "kvpressure_otlp_requests_total"
+SPANS_METRIC: Final = catalogue.OTLP_SPANS_RECEIVED_TOTAL
+ATTRIBUTES_DROPPED_METRIC: Final = catalogue.OTLP_SPAN_ATTRIBUTES_DROPPED_TOTAL
+REQUESTS_METRIC: Final = catalogue.OTLP_REQUESTS_TOTAL
 
 _GRPC_INVALID_ARGUMENT = 3
 _GRPC_RESOURCE_EXHAUSTED = 8

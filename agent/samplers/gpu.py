@@ -116,8 +116,10 @@ from collections import Counter
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, Literal
 
+from agent import catalogue
+from agent.catalogue import SampleName
 from agent.kube import PodRef
 from agent.logs import LogOnce
 from agent.pipeline import Context, Plan, Stage, register
@@ -179,6 +181,8 @@ this often (seconds): the counters are cumulative, processes change slowly and N
 events, so reading them at 10 Hz would only add NVML cost. Between reads the last values are
 exported."""
 
+NvmlState = Literal["uninit", "ok", "down", "disabled"]
+"""The NVML library's state as the sampler sees it."""
 EnginePids = Callable[[], dict[int, str]]
 """PID → engine name (the ``engine`` label) of the engine processes the agent knows."""
 PodNames = Callable[[], dict[str, tuple[str, str, str]]]
@@ -243,7 +247,7 @@ class GpuSampler(_NvmlMixin, Sampler):
         self._control = _Worker("gpu-nvml-control", inline=self._inline)
         self._pool: list[_Worker] = []
         self._gpus: list[_Gpu] = []
-        self._state = "uninit"  # uninit | ok | down | disabled
+        self._state: NvmlState = "uninit"
         self._init_pending: _Job | None = None
         self._need_reinit = False
         self._reason = ""
@@ -766,7 +770,7 @@ class GpuSampler(_NvmlMixin, Sampler):
             g.bytes_known = known
         if reading.slow or g.counter_samples is None:
             g.counter_samples = tuple(
-                Sample(f"kvpressure_gpu_{grp}_bytes_total", total, g.leaf.lab("direction", d))
+                Sample(_LINK_METRICS[grp], total, g.leaf.lab("direction", d))
                 for (grp, d), total in sorted(g.totals.items())
                 if (g.pcie_ok if grp == "pcie" else g.nvlink_ok)
             )
@@ -775,7 +779,13 @@ class GpuSampler(_NvmlMixin, Sampler):
 
 
 # ---- helpers ------------------------------------------------------------------------------------
-def _put(out: list[Sample], name: str, value: float | None, labels: Labels) -> None:
+_LINK_METRICS: Final[dict[str, SampleName]] = {
+    "pcie": catalogue.GPU_PCIE_BYTES_TOTAL,
+    "nvlink": catalogue.GPU_NVLINK_BYTES_TOTAL,
+}
+
+
+def _put(out: list[Sample], name: SampleName, value: float | None, labels: Labels) -> None:
     """Append a sample unless the value is missing (``None``)."""
     if value is not None and math.isfinite(value):
         out.append(Sample(name, float(value), labels))

@@ -97,6 +97,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Final, Literal
 
+from agent.catalogue import SampleName
 from agent.histograms import (
     DEFAULT_MIN_COUNT,
     DEFAULT_WINDOW_S,
@@ -700,7 +701,7 @@ class AddonContext:
     admits: Callable[[str | None], bool] = lambda _model: True
     """Whether a model may get series (the normalizer's :meth:`Normalizer.admits`)."""
 
-    def add(self, name: str, value: float | None, model: str | None, **labels: str) -> None:
+    def add(self, name: SampleName, value: float | None, model: str | None, **labels: str) -> None:
         """Add a catalogue sample with this engine's labels (none for a refused model)."""
         if not self.admits(model):
             return
