@@ -235,7 +235,6 @@ class _Leaf:
     sm_occupancy: float | None = None
     memory: dict[str, float] = field(default_factory=dict)
     engines: set[str] = field(default_factory=set)
-    unified: bool = False
 
 
 @dataclass(slots=True)
@@ -266,10 +265,6 @@ class _History:
         self.tokens_per_mem.clear()
 
 
-def _device(labels: Labels) -> Labels:
-    return tuple((k, v) for k, v in labels if k in _DEVICE_KEYS)
-
-
 def _label(labels: Labels, key: str) -> str | None:
     for k, v in labels:
         if k == key:
@@ -290,15 +285,10 @@ def _read_report(samples: Iterable[Sample], sources: Iterable[SourceStatus]) -> 
     """Group one GPU report's samples by physical GPU (``gpu`` label) and device."""
     gpus: dict[str, _Gpu] = {}
     leaves: dict[Labels, _Leaf] = {}
-
-    def leaf_of(labels: Labels) -> _Leaf | None:
-        return leaves.get(_device(labels))
-
     samples = list(samples)
     for s in samples:
         if s.name == m.GPU_UP:
-            gpu = _label(s.labels, "gpu") or ""
-            g = gpus.setdefault(gpu, _Gpu())
+            g = gpus.setdefault(_label(s.labels, "gpu") or "", _Gpu())
             if s.value < 1:
                 g.up = False
             elif _label(s.labels, "uuid") is not None:
@@ -306,31 +296,42 @@ def _read_report(samples: Iterable[Sample], sources: Iterable[SourceStatus]) -> 
                 leaves[s.labels] = leaf
                 g.leaves.append(leaf)
                 g.mig_enabled = g.mig_enabled or leaf.mig is not None
+    cache = _DEVICE_OF
+    if len(cache) > MAX_DEVICES * 16:
+        cache.clear()
     for s in samples:
-        dev = leaf_of(s.labels)
-        owner = gpus.get(_label(s.labels, "gpu") or "")
-        if owner is None:
+        kind = _KIND.get(s.name)
+        if kind is None:
             continue
-        name = s.name
-        if name == m.GPU_UTILIZATION_RATIO and dev is not None:
+        labels = s.labels
+        device = cache.get(labels)
+        if device is None:
+            device = cache[labels] = tuple((k, v) for k, v in labels if k in _DEVICE_KEYS)
+        if kind == "links":
+            owner = gpus.get(_label(labels, "gpu") or "")
+            if owner is not None:
+                owner.totals[(_LINKS[s.name], _label(labels, "direction") or "")] = s.value
+            continue
+        dev = leaves.get(device)
+        if dev is None:
+            continue
+        if kind == "utilization":
             dev.utilization = s.value
-        elif name == m.GPU_MEMORY_BANDWIDTH_UTILIZATION_RATIO and dev is not None:
-            if _label(s.labels, "source") == "gpm":
+        elif kind == "bandwidth":
+            if _label(labels, "source") == "gpm":
                 dev.bandwidth = s.value
-        elif name == m.GPU_SM_OCCUPANCY_RATIO and dev is not None:
+        elif kind == "sm":
             dev.sm_occupancy = s.value
-        elif name == m.GPU_CLOCK_EVENT_ACTIVE and dev is not None and dev.mig is None:
-            owner.clocks[_label(s.labels, "reason") or ""] = s.value
-        elif name == m.GPU_PROCESS_MEMORY_BYTES and dev is not None:
-            engine = _label(s.labels, "engine")
+        elif kind == "clock":
+            owner = gpus.get(_label(labels, "gpu") or "")
+            if owner is not None and dev.mig is None:
+                owner.clocks[_label(labels, "reason") or ""] = s.value
+        elif kind == "process":
+            engine = _label(labels, "engine")
             if engine is not None:
                 dev.engines.add(engine)
-        elif name == m.GPU_INFO and dev is not None:
-            dev.unified = _label(s.labels, "unified_memory") == "true"
-        elif name in _MEMORY and dev is not None:
-            dev.memory[_MEMORY[name]] = s.value
-        elif name in _LINKS:
-            owner.totals[(_LINKS[name], _label(s.labels, "direction") or "")] = s.value
+        elif kind == "memory":
+            dev.memory[_MEMORY[s.name]] = s.value
     for st in sources:
         index, _, what = st.source.removeprefix("gpu").partition(".")
         found = gpus.get(index)
@@ -343,12 +344,24 @@ def _read_report(samples: Iterable[Sample], sources: Iterable[SourceStatus]) -> 
     return gpus
 
 
+_DEVICE_OF: dict[Labels, Labels] = {}
+"""Labels -> their ``gpu``/``uuid``/``mig`` part (the GPU sampler reuses label tuples)."""
 _MEMORY: Final = {
     m.GPU_MEMORY_TOTAL_BYTES: "total",
     m.GPU_MEMORY_USED_BYTES: "used",
     m.GPU_MEMORY_RESERVED_BYTES: "reserved",
 }
 _LINKS: Final = {m.GPU_PCIE_BYTES_TOTAL: "pcie", m.GPU_NVLINK_BYTES_TOTAL: "nvlink"}
+_KIND: Final = {
+    m.GPU_UTILIZATION_RATIO: "utilization",
+    m.GPU_MEMORY_BANDWIDTH_UTILIZATION_RATIO: "bandwidth",
+    m.GPU_SM_OCCUPANCY_RATIO: "sm",
+    m.GPU_CLOCK_EVENT_ACTIVE: "clock",
+    m.GPU_PROCESS_MEMORY_BYTES: "process",
+    **dict.fromkeys(_MEMORY, "memory"),
+    **dict.fromkeys(_LINKS, "links"),
+}
+"""The GPU report's samples the stage reads, by what they are."""
 
 
 class AcceleratorSampler(Sampler):
