@@ -12,7 +12,7 @@ Naming follows Prometheus conventions: base units (bytes, seconds), ratios in 0-
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Final, Literal, cast
 
 Kind = Literal["gauge", "counter", "histogram", "info"]
@@ -1407,6 +1407,16 @@ _ALL: tuple[Metric, ...] = (
     ),
 )
 
+POD_LABELS = ("pod_uid", "namespace", "pod", "container")
+"""Labels of an engine's pod on every series of the engine sampler (``engine`` and
+``instance`` labelled), when the PID listening on the engine's port is in a pod
+(:class:`agent.kube.EnginePods`); absent otherwise."""
+_ALL = tuple(
+    replace(m, labels=(*m.labels, *POD_LABELS))
+    if m.name.startswith("kvpressure_engine_") and {"engine", "instance"} <= set(m.labels)
+    else m
+    for m in _ALL
+)
 CATALOGUE: dict[str, Metric] = {m.name: m for m in _ALL}
 """Every exported metric by name."""
 

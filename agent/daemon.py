@@ -29,6 +29,7 @@ from agent.api import attribution_routes, make_app
 from agent.attribution.store import AttributionStore
 from agent.config import Config, ConfigError, load, read_token
 from agent.discovery import Discovery, Probe, engine_pids
+from agent.kube import EnginePods, names_from_process_rows
 from agent.listener import ConnectionCap, install_accept_error_handler, start_site
 from agent.pipeline import Sampler
 from agent.requests.otlp_receiver import OtlpReceiver
@@ -121,6 +122,17 @@ class Daemon:
             config.attribution.recent_requests, config.attribution.recent_attributions
         )
         self._export = ExportSlot(self.state)
+        # Each engine's pod (its listening PID's cgroup), put on its series as labels; the
+        # names come from the GPU sampler's process rows in the state (see the report).
+        self.engine_pods = EnginePods(
+            self._engine_pids,
+            names=lambda uid: names_from_process_rows(
+                self.state.latest("kvpressure_gpu_process_memory_bytes"), uid
+            ),
+        )
+
+    def _engine_pids(self) -> dict[int, str]:
+        return engine_pids((*self.config.engines, *self._discovery.found.values()))
 
     @property
     def proxies(self) -> dict[str, RequestProxy]:
@@ -137,7 +149,8 @@ class Daemon:
             requests=self.request_stream,
             attributions=self.attributions,
             engines=engines,
-            engine_pids=lambda: engine_pids(engines),
+            engine_pids=self._engine_pids,
+            engine_pods=self.engine_pods.labels,
             span_sink=self._export.export,
         )
         return pipeline.plan(ctx)

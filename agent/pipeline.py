@@ -127,6 +127,7 @@ class Context:
         attributions: the attribution store (outlives reloads).
         engines: configured and discovered engines.
         engine_pids: PID -> engine label of local engine processes (the GPU join).
+        engine_pods: engine label -> its pod's labels (:meth:`agent.kube.EnginePods.labels`).
         span_sink: the OTLP exporter's span sink, or ``None`` when export is off.
     """
 
@@ -136,6 +137,7 @@ class Context:
     attributions: AttributionStore
     engines: tuple[EngineConfig, ...] = ()
     engine_pids: Callable[[], dict[int, str]] | None = None
+    engine_pods: Callable[[str], Mapping[str, str]] | None = None
     span_sink: SpanSink | None = None
 
     def interval_s(self, name: str) -> float:
