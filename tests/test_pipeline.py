@@ -274,3 +274,19 @@ def test_closed_sets_are_types_that_match_their_runtime_sets():
     assert {r.cause for r in RULES} <= set(ALL_CAUSES)
     assert set(get_args(Outcome)) == OUTCOMES
     assert set(get_args(SourceState)) == {"ok", "error", "unsupported"}
+
+
+def test_the_accelerator_is_unsupported_where_the_gpu_sampler_is():
+    from agent.samplers.accelerator import AcceleratorSampler
+    from agent.state import SamplerReport
+
+    gpu = Batch()
+    gpu.source_unsupported("nvml", "library_not_found")
+    report = SamplerReport("gpu", 1.0, 0.01, True, "", gpu)
+    acc = AcceleratorSampler(lambda: report, None)
+    b = Batch()
+    acc.collect(b)
+    assert [(s.source, s.state, s.reason) for s in b.sources] == [
+        ("gpu", "unsupported", "library_not_found")
+    ]
+    assert b.samples == []

@@ -405,6 +405,12 @@ class AcceleratorSampler(Sampler):
         report = self._gpu_report()
         if report is None or not report.ok or report.batch is None:
             return
+        for st in report.batch.sources:
+            if st.source == "nvml" and st.state == "unsupported":
+                # no GPU to derive from (no driver): the stage is unsupported too, so
+                # ``kvpressure status`` shows it as the GPU sampler, not as "up"
+                batch.source_unsupported("gpu", st.reason)
+                return
         if self._last is not None and self._last[0] == report.ts:
             batch.samples.extend(self._last[1])
             return
