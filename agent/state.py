@@ -8,16 +8,19 @@ never linger: vanished label sets disappear from the exposition by themselves.
 
 from __future__ import annotations
 
+import logging
 import platform
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from agent import __version__
 from agent.samples import Batch, Labels, Sample, SourceStatus, make_labels
 from agent.timeline import Timeline
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,11 +65,49 @@ class AgentState:
         self._lock = threading.Lock()
         self._c = _Counters()
         self._version = 0
+        self._health: dict[str, Callable[[], Iterable[Sample]]] = {}
+        self._listeners: list[Callable[[SamplerReport], None]] = []
+
+    def add_health(self, name: str, samples: Callable[[], Iterable[Sample]]) -> None:
+        """Render ``samples()`` with the agent's own metrics (an exporter's health).
+
+        Exporters are not samplers: they report their counters through this, read on every
+        render. A provider that raises is skipped for that render.
+        """
+        with self._lock:
+            self._health[name] = samples
+
+    def remove_health(self, name: str) -> None:
+        """Stop rendering the health samples registered as ``name``."""
+        with self._lock:
+            self._health.pop(name, None)
+
+    def on_publish(self, listener: Callable[[SamplerReport], None]) -> None:
+        """Call ``listener(report)`` after each :meth:`publish` (the scheduler's trigger)."""
+        with self._lock:
+            self._listeners.append(listener)
+
+    def report(self, sampler: str) -> SamplerReport | None:
+        """The latest report of ``sampler``, or ``None``."""
+        with self._lock:
+            return self._reports.get(sampler)
 
     @property
-    def version(self) -> int:
-        """Changes whenever :meth:`samples` may yield something else; exporters cache on it."""
-        return self._version
+    def version(self) -> object:
+        """Changes whenever :meth:`samples` may yield something else; exporters cache on it.
+
+        Returns:
+            A value compared with ``==``: the count of publishes, removals and reloads, and
+            the exporters' health samples as they are now (read here: they change without
+            a publish); never equal to an earlier one when a health provider fails.
+        """
+        with self._lock:
+            health = list(self._health.values())
+            version = self._version
+        try:
+            return (version, tuple(s for provider in health for s in provider()))
+        except Exception:  # noqa: BLE001 - the rendering logs it; this one is not cached
+            return object()
 
     def publish(self, report: SamplerReport) -> None:
         """Store ``report`` as its sampler's latest and append its samples to the timeline."""
@@ -77,6 +118,10 @@ class AgentState:
                 self._c.failures[(report.sampler, report.reason or "error")] += 1
         if report.ok and report.batch is not None:
             self.timeline.append(report.ts, report.batch.samples)
+        with self._lock:
+            listeners = list(self._listeners)
+        for listener in listeners:
+            listener(report)
 
     def remove(self, sampler: str) -> None:
         """Forget a sampler that was stopped (removed engine, reload)."""
@@ -162,6 +207,15 @@ class AgentState:
                 make_labels({"reason": reason}),
             )
         yield Sample("kvpressure_exporter_unknown_samples_total", float(unknown))
+        with self._lock:
+            health = list(self._health.values())
+        for provider in health:
+            try:
+                got = list(provider())
+            except Exception:  # an exporter's bug must not break rendering
+                log.exception("health samples failed")
+                continue
+            yield from got
 
 
 _RANK = {"ok": 0, "unsupported": 1, "error": 2}

@@ -152,7 +152,7 @@ class ExpositionCache:
         self._unknown = SnapshotCollector(state)._unknown
         self._encoder = Encoder()
         self._lock = threading.Lock()
-        self._bodies: dict[tuple[str, bool], tuple[int, bytes]] = {}
+        self._bodies: dict[tuple[str, bool], tuple[object, bytes]] = {}
 
     def _render(self, encoder: Callable[[CollectorRegistry], bytes], content_type: str) -> bytes:
         """The body in ``content_type``: :class:`Encoder` where it applies, else the library."""

@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping
 
 import httpx
 
+from agent.pipeline import Context, Plan, Stage, register
 from agent.samplers.engines.base import (
     AUTO,
     EngineSampler,
@@ -76,3 +77,25 @@ def make_engine_sampler(
         transport=transport,
         pod_labels=pod_labels,
     )
+
+
+@register(
+    "engines",
+    Stage.SOURCE,
+    "each configured or discovered engine's /metrics, mapped to the catalogue",
+    label="engine",
+)
+def _plan(ctx: Context) -> list[Plan]:
+    interval = ctx.interval_s("engines")
+    out: list[Plan] = []
+    for e in ctx.engines:
+        spec = ("engine", e.label, e.url, e.type, interval)
+
+        def build(name: str = e.label, url: str = e.url, kind: str = e.type) -> EngineSampler:
+            return make_engine_sampler(
+                name=name, url=url, engine_type=kind, interval_s=interval,
+                pod_labels=ctx.engine_pods,
+            )  # fmt: skip
+
+        out.append(Plan(f"engine:{e.label}", spec, build))
+    return out
