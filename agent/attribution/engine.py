@@ -60,13 +60,26 @@ class Attributor:
         self.min_score = min_score
 
     def attribute_request(
-        self, sig: Signals, record: RequestRecord, verdict: Verdict
+        self,
+        sig: Signals,
+        record: RequestRecord,
+        verdict: Verdict,
+        neighbours: Sequence[RequestRecord] = (),
     ) -> Attribution:
-        """Attribute one slow request.
+        """Attribute one slow request over the time span of its slow phase(s).
 
-        The scope read is ``[record.start - lead_in_s, record.end]``.
+        The scope read is ``[verdict.start - lead_in_s, verdict.end]`` (the request's
+        ``[start - lead_in_s, end]`` when the verdict has no span).
+
+        Args:
+            sig: timeline signals covering the scope.
+            record: the slow request.
+            verdict: the detector's verdict on it.
+            neighbours: other recent requests of the engine (prefill interference).
         """
-        scope = Scope(record.engine, record.start, record.end, self.lead_in_s, record)
+        a = record.start if verdict.start is None else verdict.start
+        b = record.end if verdict.end is None else verdict.end
+        scope = Scope(record.engine, a, b, self.lead_in_s, record, tuple(neighbours))
         scores, evidence, unassessed = evaluate(sig, scope, self.params)
         return Attribution(
             engine=record.engine,
@@ -86,6 +99,11 @@ class Attributor:
             output_tokens=record.output_tokens,
             trace_id=record.trace_id,
             span_id=record.span_id,
+            slow_phases=tuple(
+                (p.phase, p.value_s, p.threshold_s, p.basis) for p in verdict.slow_phases
+            ),
+            scope_start=a,
+            scope_end=b,
         )
 
     def attribute_window(

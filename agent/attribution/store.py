@@ -21,9 +21,10 @@ from agent.attribution.detector import quantile
 from agent.attribution.model import UNKNOWN, Attribution, WindowAttribution
 from agent.requests.record import RequestRecord
 
-PHASES: tuple[str, ...] = ("ttft", "e2e", "queue", "prefill", "decode", "itl")
-"""Latency phases summarised by :meth:`AttributionStore.query`; ``itl`` is the mean
-inter-token gap of each request."""
+PHASES: tuple[str, ...] = ("ttft", "e2e", "queue", "prefill", "decode", "tpot", "itl", "itl_max")
+"""Latency phases summarised by :meth:`AttributionStore.query`; ``tpot`` is each request's
+decode time per output token after the first, ``itl`` its mean inter-token gap and
+``itl_max`` its longest."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +54,9 @@ class RequestSummary:
             "queue": r.queue_s,
             "prefill": r.prefill_s,
             "decode": r.decode_s,
+            "tpot": _tpot(r),
             "itl": (sum(r.itl_s) / len(r.itl_s)) if r.itl_s else None,
+            "itl_max": max(r.itl_s) if r.itl_s else None,
         }
         return cls(
             r.engine,
@@ -62,6 +65,20 @@ class RequestSummary:
             slow,
             tuple((k, v) for k, v in vals.items() if v is not None),
         )
+
+
+def _tpot(r: RequestRecord) -> float | None:
+    """Decode seconds per output token after the first; ``None`` when unknown."""
+    if r.output_tokens is None or r.output_tokens < 2 or r.ttft_s is None:
+        return None
+    decode = (
+        r.decode_s
+        if r.decode_s is not None
+        else (r.e2e_s - r.ttft_s if r.e2e_s is not None else None)
+    )
+    if decode is None or decode < 0:
+        return None
+    return decode / (r.output_tokens - 1)
 
 
 def _q(values: list[float]) -> dict[str, float | int]:

@@ -38,6 +38,13 @@ new requests):
   requests. The hogs started before the scenario's time range, so their own records are
   not counted in it.
 
+* ``decode``: decode-phase preemption. ``--decode-requests`` (16) concurrent clients send
+  32 prompt + 640 output tokens: each is admitted at once (1 block; TTFT stays calm) and
+  grows to 6 blocks, 96 for the 48 that exist, so vLLM preempts running requests in their
+  decode and recomputes them later. Target: >= 90 % of the requests flagged slow (their
+  time per output token, not their TTFT) and >= 90 % of those attributed to memory with
+  ``preemptions`` in their top evidence.
+
   Why hogs and long outputs: without the hogs, the first wave of a burst into an idle
   engine is slow (TTFT 0.07-0.3 s against the 50 ms baseline threshold) only because
   twelve 512-token prefills share two cores, before the KV cache is full, and the agent
@@ -119,7 +126,7 @@ TARGET_CALM_SLOW: float = bench.TARGET_CALM_SLOW
 
 ENGINE = "vllm"
 SERVICE = "kvbench-vllm"
-SCENARIOS = ("calm", "memory")
+SCENARIOS = ("calm", "memory", "decode")
 KV_BLOCKS, BLOCK_TOKENS = 48, 128
 SPAN_PHASES = ("queue", "prefill", "decode")
 SPAN_PHASE_SHARE = 0.9
@@ -140,6 +147,10 @@ class Shape:
 CALM = Shape(concurrency=2, prompt_tokens=32, max_tokens=16)
 MEMORY = Shape(concurrency=12, prompt_tokens=512, max_tokens=1200)
 HOGS = Shape(concurrency=4, prompt_tokens=512, max_tokens=1500)
+DECODE = Shape(concurrency=16, prompt_tokens=32, max_tokens=640)
+"""Decode-phase preemption: 16 short prompts (1 block each: admitted at once, TTFT fine)
+growing to 6 blocks each, 96 blocks for the 48 that exist: vLLM preempts running requests
+in their decode."""
 
 
 @dataclass
@@ -442,6 +453,17 @@ def load_checks(results: list[Any]) -> list[str]:
                 f"{queue_p95:.2f}s: the load did not exhaust the KV cache (needs > 0 and "
                 f">= {MEMORY_QUEUE_P95_S:.0f}s)"
             )
+        if r.name == "decode":
+            if not r.preemptions > 0:
+                problems.append(f"decode: vLLM preemptions +{r.preemptions:.0f}: none happened")
+            if r.slow < bench.TARGET_ACCURACY * r.requests:
+                problems.append(
+                    f"decode: {r.slow} of {r.requests} requests flagged slow "
+                    f"(target >= {bench.TARGET_ACCURACY:.0%})"
+                )
+            pre = r.evidence.get("memory:preemptions", 0)
+            if r.slow and pre < bench.TARGET_ACCURACY * r.slow:
+                problems.append(f"decode: preemption evidence in {pre} of {r.slow} slow requests")
         if r.name == "calm" and r.preemptions != 0:
             problems.append(f"calm: vLLM preemptions +{r.preemptions:.0f}")
     return problems
@@ -480,7 +502,7 @@ def run(args: argparse.Namespace) -> tuple[list[Any], dict[str, Any], str, bool,
     results: list[Any] = []
     memory = Shape(args.memory_concurrency, args.memory_prompt_tokens, args.memory_max_tokens)
     hogs = Shape(args.kv_hogs, HOGS.prompt_tokens, args.hog_max_tokens)
-    shapes = {"calm": CALM, "memory": memory}
+    shapes = {"calm": CALM, "memory": memory, "decode": DECODE}
     t_begin = time.time()
     try:
         log(f"starting vLLM (work dir {work})")
@@ -494,7 +516,7 @@ def run(args: argparse.Namespace) -> tuple[list[Any], dict[str, Any], str, bool,
             results.append(
                 b.scenario(
                     name,
-                    bench.requests_of(args, name),
+                    args.decode_requests if name == "decode" else bench.requests_of(args, name),
                     shapes[name],
                     2000 + 100 * i,
                     t_begin,
@@ -557,6 +579,12 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         default=3.0,
         help="seconds the hogs run before the scenario's requests start",
+    )
+    p.add_argument(
+        "--decode-requests",
+        type=int,
+        default=DECODE.concurrency,
+        help="requests of the decode scenario (one wave of 16 by default)",
     )
     p.add_argument("--workdir", default=None, help="where logs go (default: the temp dir)")
     args = bench.parse(p, argv, SCENARIOS)
