@@ -1354,8 +1354,10 @@ _ALL: tuple[Metric, ...] = (
         "kvpressure_slow_requests_total",
         "counter",
         "1",
-        "Slow requests (TTFT, else e2e, above min(SLO, rolling baseline tail)) by primary "
-        "cause: memory, storage, network, compute, engine_restart, gpu_fault or unknown "
+        "Slow requests (a phase, queue, prefill, TTFT, time per output token or longest "
+        "inter-token gap, above the fitted cost of a request of its size on the engine, or "
+        "TTFT/TPOT/e2e above its SLO) by primary cause: memory, storage, network, "
+        "concurrency, prefill_interference, compute, engine_restart, gpu_fault or unknown "
         "(agent/attribution).",
         ("engine", "cause"),
         "",

@@ -284,3 +284,27 @@ def test_engine_sampler_marks_frozen_statistics_stale(monkeypatch):
         assert cycle() == (1.0, {"metrics": ("ok", ""), "stats": ("error", "stale")})
     finally:
         s.close()
+
+
+# --- explain -----------------------------------------------------------------------------
+
+
+def test_explain_tells_what_to_change_for_every_cause_that_scored():
+    from agent.attribution.explain import render
+    from agent.attribution.model import REMEDIES, Attribution
+
+    store = AttributionStore()
+    scores = {"memory": 0.0, "concurrency": 0.8, "compute": 0.45, "storage": 0.1}
+    store.add_attribution(
+        Attribution(
+            engine="llamacpp", start=T, end=T + 6, cause="concurrency", scores=scores,
+            evidence=(), unassessed=(), phase="ttft", latency_s=5.0, threshold_s=0.3,
+            basis="baseline", slow_phases=(("ttft", 5.0, 0.3, "baseline"),
+                                           ("queue", 4.8, 0.05, "baseline")),
+        )
+    )  # fmt: skip
+    text = render(store.query(T - 10, T + 20))
+    assert "WHAT TO CHANGE" in text
+    assert REMEDIES["concurrency"] in text and REMEDIES["compute"] in text
+    assert REMEDIES["storage"] not in text and REMEDIES["memory"] not in text
+    assert "[slow: ttft, queue]" in text

@@ -260,11 +260,11 @@ def render(doc: dict[str, Any]) -> str:
             flag = " (engine metrics unavailable)" if "engine_metrics" in a["unassessed"] else ""
             if "engine_metrics_stale" in a["unassessed"]:
                 flag += " (engine statistics stale)"
-            phases = [p["phase"] for p in a.get("slow_phases", [])]
-            also = f" [slow: {', '.join(phases)}]" if len(phases) > 1 else ""
+            slow_ph = [p["phase"] for p in a.get("slow_phases", [])]
+            extra = f" [slow: {', '.join(slow_ph)}]" if len(slow_ph) > 1 else ""
             out.append(
                 f"{_hms(a['end'])}  {a['engine']:<14} {a['phase']} {fmt_seconds(a['latency_s'])}"
-                f" > {fmt_seconds(a['threshold_s'])} ({a['basis']}){also}  "
+                f" > {fmt_seconds(a['threshold_s'])} ({a['basis']}){extra}  "
                 f"{causes_of(a, min_score)}{flag}  {top}"
             )
     return "\n".join(out)

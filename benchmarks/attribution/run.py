@@ -652,7 +652,8 @@ def parse(
 
 def requests_of(args: argparse.Namespace, name: str) -> int:
     """Requests scenario ``name`` sends: ``--calm-requests`` for calm when given."""
-    return args.calm_requests if name == "calm" and args.calm_requests else args.requests
+    calm = name.startswith("calm")
+    return args.calm_requests if calm and args.calm_requests else args.requests
 
 
 def main(argv: list[str] | None = None) -> int:
