@@ -87,6 +87,10 @@ def test_a_long_prompt_at_the_usual_per_token_rate_is_not_slow():
             RequestRecord(ENG, T + 70 + i, T + 72 + i, ttft_s=1.5, e2e_s=2.0, input_tokens=3000)
         )
         assert v is not None and not v.slow, v
+    # 6,000 tokens at that rate miss the 2 s TTFT SLO only because they are long: not slow,
+    # the miss reported
+    v = d.judge(RequestRecord(ENG, T + 75, T + 79, ttft_s=3.0, e2e_s=3.5, input_tokens=6000))
+    assert v is not None and not v.slow and v.slo_missed == ("ttft",)
     # a short prompt that took as long is slow, and so is a long one 3x its expected cost
     v = d.judge(RequestRecord(ENG, T + 80, T + 82, ttft_s=1.5, e2e_s=2.0, input_tokens=100))
     assert v is not None and v.slow and v.phase == "ttft"

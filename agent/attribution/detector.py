@@ -34,10 +34,13 @@ been seen not to be). For a request of size ``x``::
     slow         = value > threshold(x)                       once >= min_requests are known
 
 so a 3,000-token prompt prefilled at the usual per-token rate is not slow, and a decode at
-45x the usual time per token is, whatever its TTFT. The SLOs are absolute: TTFT above
-``slo_ttft_s``, TPOT above ``slo_tpot_s`` and (for requests without a TTFT) end-to-end
-above ``slo_e2e_s`` are slow too, from the first request on (before ``min_requests`` the
-SLOs are the only judgement).
+45x the usual time per token is, whatever its TTFT. The SLOs (TTFT above ``slo_ttft_s``,
+TPOT above ``slo_tpot_s``, end-to-end above ``slo_e2e_s`` for requests without a TTFT)
+judge a phase while its fit is warming up (fewer than ``min_requests`` points); after that
+a request that misses an SLO only because it is large is not slow (a long prompt on a slow
+engine misses the TTFT SLO at the engine's usual per-token rate: the remedy is capacity,
+not an incident), and the miss is reported in :attr:`Verdict.slo_missed`
+(``kvpressure explain`` counts such requests).
 
 Defaults: ``q = 0.95``, ``factor = 1.5``, ``N = 500`` points per engine and phase (the fit
 uses the latest 128), ``min_requests = 30``, ``floor_s = 0.05`` (0.02 for TPOT, whose
@@ -121,6 +124,10 @@ class Verdict:
         slow_phases: every slow phase, slowest first.
         start: start of the time span of the slow phases (the request's start when none).
         end: end of that span (the request's end when none).
+        slo_missed: phases (``ttft``, ``tpot``, ``e2e``) above their SLO, slow or not: once
+            a phase's fit is known a request that misses the SLO only because it is long
+            (its phase within the fitted cost of its size) is not slow, but the miss is
+            still reported.
     """
 
     slow: bool
@@ -131,6 +138,7 @@ class Verdict:
     slow_phases: tuple[PhaseVerdict, ...] = ()
     start: float | None = None
     end: float | None = None
+    slo_missed: tuple[str, ...] = ()
 
     @property
     def phases(self) -> tuple[str, ...]:
@@ -156,9 +164,7 @@ def _median(values: list[float]) -> float:
     return quantile(sorted(values), 0.5)
 
 
-def theil_sen(
-    points: list[tuple[float, float]], proportional: bool = False
-) -> tuple[float, float]:
+def theil_sen(points: list[tuple[float, float]], proportional: bool = False) -> tuple[float, float]:
     """Robust line ``y = intercept + slope x`` through ``points`` (``(x, y)`` pairs).
 
     The slope is the median of the slopes of every pair whose ``x`` differ by at least
@@ -324,6 +330,9 @@ class SlowDetector:
         judged: list[PhaseVerdict] = []
         learn: list[tuple[str, float, float]] = []
 
+        fitted: set[str] = set()
+        missed: list[str] = []
+
         def fit(phase: str, value: float, size: float, a: float, b: float) -> None:
             m = self._models.get((r.engine, phase))
             slow = False
@@ -331,11 +340,15 @@ class SlowDetector:
                 thr, exp = m.threshold(size, self.q, self.factor, self._floor(phase))
                 judged.append(PhaseVerdict(phase, value, thr, "baseline", exp, size, a, b))
                 slow = value > thr
+                fitted.add(phase)
             if not slow:
                 learn.append((phase, size, value))
 
         def slo(phase: str, value: float, a: float, b: float) -> None:
-            judged.append(PhaseVerdict(phase, value, self.slo[phase], "slo", None, None, a, b))
+            if value > self.slo[phase]:
+                missed.append(phase)
+            if phase not in fitted:  # warm-up: the SLO is the only judgement
+                judged.append(PhaseVerdict(phase, value, self.slo[phase], "slo", None, None, a, b))
 
         uncached: float = 0.0
         if r.input_tokens is not None:
@@ -380,6 +393,7 @@ class SlowDetector:
             return Verdict(
                 True, top.phase, top.value_s, top.threshold_s, top.basis, slow_phases,
                 min(p.start for p in slow_phases), max(p.end for p in slow_phases),
+                tuple(missed),
             )  # fmt: skip
         # not slow: summarised by TTFT (else e2e) against its tightest threshold
         main = "ttft" if r.ttft_s is not None else "e2e"
@@ -389,4 +403,4 @@ class SlowDetector:
         assert latency is not None
         thr = best.threshold_s if best is not None else self.slo[main]
         basis = best.basis if best is not None else "slo"
-        return Verdict(False, main, latency, thr, basis, (), r.start, r.end)
+        return Verdict(False, main, latency, thr, basis, (), r.start, r.end, tuple(missed))

@@ -173,6 +173,12 @@ def render(doc: dict[str, Any]) -> str:
             else:
                 line += "; " + ", ".join(f"{k} {v}" for k, v in sorted(st["outcomes"].items()))
             out.append(line)
+            if st.get("slo_missed_not_slow"):
+                out.append(
+                    f"{'':<14} {st['slo_missed_not_slow']} more missed an SLO but cost what "
+                    "a request of their size costs on this engine (not slow: capacity, not an "
+                    "incident)"
+                )
     by_cause: dict[str, dict[str, int]] = doc.get("slow_by_cause", {})
     scored: dict[str, dict[str, int]] = doc.get("scored_by_cause", {})
     if by_cause:

@@ -163,7 +163,9 @@ class AttributionSampler(Sampler):
         for i, r in enumerate(ready):
             v = self.detector.judge(r, batches[i])
             is_slow = v is not None and v.slow
-            self.store.add_request(RequestSummary.of(r, is_slow))
+            self.store.add_request(
+                RequestSummary.of(r, is_slow, v is not None and bool(v.slo_missed))
+            )
             if v is None:
                 continue
             if is_slow:

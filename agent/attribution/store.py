@@ -37,6 +37,8 @@ class RequestSummary:
         outcome: the request's outcome.
         slow: judged slow.
         phases: phase name to seconds, for the phases the source observed.
+        slo_missed: a phase missed its SLO (slow or not; see
+            :attr:`agent.attribution.detector.Verdict.slo_missed`).
     """
 
     engine: str
@@ -44,9 +46,10 @@ class RequestSummary:
     outcome: str
     slow: bool
     phases: tuple[tuple[str, float], ...]
+    slo_missed: bool = False
 
     @classmethod
-    def of(cls, r: RequestRecord, slow: bool) -> RequestSummary:
+    def of(cls, r: RequestRecord, slow: bool, slo_missed: bool = False) -> RequestSummary:
         """Summarise ``r``."""
         vals = {
             "ttft": r.ttft_s,
@@ -64,6 +67,7 @@ class RequestSummary:
             r.outcome,
             slow,
             tuple((k, v) for k, v in vals.items() if v is not None),
+            slo_missed,
         )
 
 
@@ -193,7 +197,8 @@ class AttributionStore:
         Returns:
             ``{"time", "since", "min_score", "engines": [every engine the store has seen,
             whatever ``engine`` is], "requests": {engine: {"requests", "ok", "failed",
-            "slow", "outcomes", "phases": {phase: {"n", "p50", "p95", "p99"}}}},
+            "slow", "slo_missed", "slo_missed_not_slow", "outcomes", "phases": {phase: {"n",
+            "p50", "p95", "p99"}}}},
             "slow_by_cause": {engine: {primary cause: n}}, "scored_by_cause": {engine:
             {cause: n}}, "evidence": [...], "dominant": [...], "unassessed": [...],
             "attributions": [...], "windows": [...], "totals": {engine: {cause: n}}}``.
@@ -253,6 +258,8 @@ def _request_stats(reqs: list[RequestSummary]) -> dict[str, Any]:
             "ok": len(ok),
             "failed": len(rs) - len(ok),
             "slow": sum(1 for r in rs if r.slow),
+            "slo_missed": sum(1 for r in rs if r.slo_missed),
+            "slo_missed_not_slow": sum(1 for r in rs if r.slo_missed and not r.slow),
             "outcomes": dict(Counter(r.outcome for r in rs)),
             "phases": {k: _q(phases[k]) for k in PHASES if phases.get(k)},
         }
