@@ -1,6 +1,6 @@
-"""Reduced vLLM memory scenario of the attribution benchmark
+"""Reduced vLLM memory scenarios of the attribution benchmark
 (``benchmarks/attribution/vllm_memory.py``): the same run and assertions as the full one,
-30 memory and 30 calm requests (about 100 s on 2 cores).
+30 memory and 30 calm requests and one wave of 16 decode-phase-preemption requests.
 
 A real vLLM CPU server sends its ``llm_request`` spans over OTLP/HTTP to a real agent, which
 also scrapes its ``/metrics``; no proxy. After a calm warm-up, 30 calm requests must not be
@@ -9,6 +9,10 @@ KV-cache-starved load (30 x 512-token prompts asking for 1,200 tokens, 48 KV blo
 attributed to memory; the records must come from the spans (queue, prefill and decode times)
 and the load must really fill the KV cache and preempt. Skips like the other vLLM tests when
 the vLLM virtualenv or the model is missing (fails under ``KVPRESSURE_E2E_REQUIRED=1``).
+
+The decode scenario (16 short prompts growing into a KV cache too small for all of them):
+at least 90 % flagged slow though their TTFT is calm, at least 90 % of those memory with
+``preemptions`` in their top evidence (the benchmark's ``problems``).
 """
 
 from __future__ import annotations
@@ -68,7 +72,7 @@ def test_reduced_vllm_memory_attribution(tmp_path: Path) -> None:
     )
     doc = json.loads(out.read_text())
     results = {r["name"]: r for r in doc["results"]}
-    calm, memory = results["calm"], results["memory"]
+    calm, memory, decode = results["calm"], results["memory"], results["decode"]
     REPORT["attribution_memory"] = {
         "wall_s": round(time.monotonic() - t0, 1),
         "calm": {"requests": calm["requests"], "slow": calm["slow"], "by_cause": calm["by_cause"]},
@@ -79,6 +83,13 @@ def test_reduced_vllm_memory_attribution(tmp_path: Path) -> None:
             "preemptions": memory["preemptions"],
             "queue_p95_s": memory["agent_phases"].get("queue", {}).get("p95"),
         },
+        "decode": {
+            "requests": decode["requests"],
+            "slow": decode["slow"],
+            "decode_phase_slow": decode["decode_slow"],
+            "by_cause": decode["by_cause"],
+            "preemptions": decode["preemptions"],
+        },
         "problems": doc["problems"],
     }
 
@@ -87,5 +98,8 @@ def test_reduced_vllm_memory_attribution(tmp_path: Path) -> None:
     assert calm["by_cause"].get("memory", 0) == 0, calm
     assert memory["slow"] > 0, f"the KV-starved load made no request slow: {memory}"
     assert memory["accuracy"] >= bench.TARGET_ACCURACY, memory
+    assert decode["slow"] >= bench.TARGET_ACCURACY * decode["requests"], decode
+    assert decode["decode_slow"] >= bench.TARGET_ACCURACY * decode["slow"], decode
+    assert decode["accuracy"] >= bench.TARGET_ACCURACY, decode
     assert doc["problems"] == [], doc["problems"]
     assert rc == 0
