@@ -43,8 +43,9 @@ not an incident), and the miss is reported in :attr:`Verdict.slo_missed`
 (``kvpressure explain`` counts such requests).
 
 Defaults: ``q = 0.95``, ``factor = 1.5``, ``N = 500`` points per engine and phase (the fit
-uses the latest 128), ``min_requests = 30``, ``floor_s = 0.05`` (0.02 for TPOT, whose
-values are per token), ``slo_ttft_s = 2.0``, ``slo_tpot_s = 0.5``, ``slo_e2e_s = 30.0``.
+uses the latest 128), ``min_requests = 30``, ``floor_s = 0.05`` (for TPOT the floor is on
+the whole decode, ``floor_s / (output - 1)`` per token; 0.02 for the longest gap),
+``slo_ttft_s = 2.0``, ``slo_tpot_s = 0.5``, ``slo_e2e_s = 30.0``.
 
 Only requests that completed (``outcome == "ok"``) feed a phase's fit, and only when that
 phase was not slow against the fit, so a long incident does not become the new normal; a
@@ -75,7 +76,7 @@ TOKEN_SIZED = frozenset({"prefill", "ttft", "e2e"})
 """Phases whose size is a token count (cost proportional to it when only one size is seen)."""
 
 TPOT_FLOOR_S = 0.02
-"""Absolute floor of the TPOT and inter-token-gap thresholds above the expected value."""
+"""Absolute floor of the longest inter-token gap's threshold above the expected value."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -292,7 +293,7 @@ class SlowDetector:
         self._models: dict[tuple[str, str], CostModel] = {}
 
     def _floor(self, phase: str) -> float:
-        return min(self.floor, TPOT_FLOOR_S) if phase in ("tpot", "itl_max") else self.floor
+        return min(self.floor, TPOT_FLOOR_S) if phase == "itl_max" else self.floor
 
     def threshold(self, engine: str, phase: str, size: float = 0.0) -> tuple[float, str]:
         """Return ``(threshold_s, basis)`` of ``phase`` for a request of ``size`` now.
@@ -333,11 +334,14 @@ class SlowDetector:
         fitted: set[str] = set()
         missed: list[str] = []
 
-        def fit(phase: str, value: float, size: float, a: float, b: float) -> None:
+        def fit(
+            phase: str, value: float, size: float, a: float, b: float, floor: float | None = None
+        ) -> None:
             m = self._models.get((r.engine, phase))
             slow = False
             if m is not None and len(m.points) >= self.min_requests:
-                thr, exp = m.threshold(size, self.q, self.factor, self._floor(phase))
+                fl = self._floor(phase) if floor is None else floor
+                thr, exp = m.threshold(size, self.q, self.factor, fl)
                 judged.append(PhaseVerdict(phase, value, thr, "baseline", exp, size, a, b))
                 slow = value > thr
                 fitted.add(phase)
@@ -368,7 +372,8 @@ class SlowDetector:
             if out is not None and out >= 2 and decode is not None and decode >= 0:
                 tpot = decode / (out - 1)
                 size = batch if batch is not None and batch > 0 else 1.0
-                fit("tpot", tpot, size, first, r.end)
+                # the floor is on the decode's seconds, spread over its tokens
+                fit("tpot", tpot, size, first, r.end, self.floor / (out - 1))
                 slo("tpot", tpot, first, r.end)
             if len(r.itl_s) >= 2:
                 size = batch if batch is not None and batch > 0 else 1.0

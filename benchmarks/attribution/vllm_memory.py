@@ -38,9 +38,9 @@ new requests):
   requests. The hogs started before the scenario's time range, so their own records are
   not counted in it.
 
-* ``decode``: decode-phase preemption. ``--decode-requests`` (16) concurrent clients send
+* ``decode``: decode-phase preemption. ``--decode-requests`` (24) concurrent clients send
   32 prompt + 640 output tokens: each is admitted at once (1 block; TTFT stays calm) and
-  grows to 6 blocks, 96 for the 48 that exist, so vLLM preempts running requests in their
+  grows to 6 blocks, 144 for the 48 that exist, so vLLM preempts running requests in their
   decode and recomputes them later. Target: >= 90 % of the requests flagged slow (their
   time per output token, not their TTFT) and >= 90 % of those attributed to memory with
   ``preemptions`` in their top evidence.
@@ -584,7 +584,7 @@ def main(argv: list[str] | None = None) -> int:
         "--decode-requests",
         type=int,
         default=DECODE.concurrency,
-        help="requests of the decode scenario (one wave of 16 by default)",
+        help="requests of the decode scenario (one wave of 24 by default)",
     )
     p.add_argument("--workdir", default=None, help="where logs go (default: the temp dir)")
     args = bench.parse(p, argv, SCENARIOS)
