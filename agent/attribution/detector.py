@@ -42,8 +42,8 @@ engine misses the TTFT SLO at the engine's usual per-token rate: the remedy is c
 not an incident), and the miss is reported in :attr:`Verdict.slo_missed`
 (``kvpressure explain`` counts such requests).
 
-Defaults: ``q = 0.95``, ``factor = 1.5``, ``N = 500`` points per engine and phase (the fit
-uses the latest 128), ``min_requests = 30``, ``floor_s = 0.05`` (for TPOT the floor is on
+Defaults: ``q = 0.95``, ``factor = 1.5``, ``N = 500`` points per engine and phase (the line
+is fitted through the latest 96, the ratio quantile is over all), ``min_requests = 30``, ``floor_s = 0.05`` (for TPOT the floor is on
 the whole decode, ``floor_s / (output - 1)`` per token; 0.02 for the longest gap),
 ``slo_ttft_s = 2.0``, ``slo_tpot_s = 0.5``, ``slo_e2e_s = 30.0``.
 
@@ -63,11 +63,13 @@ from agent.requests.record import RequestRecord
 PHASES: tuple[str, ...] = ("queue", "prefill", "ttft", "tpot", "itl_max", "e2e")
 """Phases a verdict can name."""
 
-FIT_POINTS = 128
-"""Most recent points the robust fit uses (Theil-Sen is quadratic in them)."""
+FIT_POINTS = 96
+"""Most recent points the line is fitted through (Theil-Sen is quadratic in them); the
+ratios whose quantile sets the threshold are taken over every point kept."""
 
-REFIT_EVERY = 8
-"""A fit is recomputed after this many new points (always while it has < FIT_POINTS)."""
+REFIT_EVERY = 32
+"""A fit is recomputed after this many new points (after every one while it has fewer
+than FIT_POINTS), so its cost stays bounded at any request rate."""
 
 MIN_RELATIVE_DX = 0.25
 """Pairs whose sizes differ by less than this share of the larger give no slope."""
@@ -206,7 +208,8 @@ class CostModel:
     """Online robust fit of one phase's cost against a request's size (one engine).
 
     Args:
-        size: points kept (``N``); the fit uses the latest :data:`FIT_POINTS`.
+        size: points kept (``N``); the line is fitted through the latest
+            :data:`FIT_POINTS`, the ratios are over all of them.
         proportional: the size is a token count, so a cost seen only at one size scales
             with the size (see :func:`theil_sen`); not for batch sizes, where that would
             excuse any decode slowdown under load.
@@ -230,8 +233,8 @@ class CostModel:
             self._since_fit > 0 and len(self.points) <= FIT_POINTS
         )
         if self._fit is None or due:
-            pts = list(self.points)[-FIT_POINTS:]
-            a, b = theil_sen(pts, self.proportional)
+            pts = list(self.points)
+            a, b = theil_sen(pts[-FIT_POINTS:], self.proportional)
             ratios = sorted(y / max(a + b * x, 1e-6) for x, y in pts)
             self._fit = (a, b, ratios)
             self._since_fit = 0
