@@ -38,9 +38,9 @@ new requests):
   requests. The hogs started before the scenario's time range, so their own records are
   not counted in it.
 
-* ``decode``: decode-phase preemption. ``--decode-requests`` (24) concurrent clients send
+* ``decode``: decode-phase preemption. ``--decode-requests`` (32) concurrent clients send
   32 prompt + 640 output tokens: each is admitted at once (1 block; TTFT stays calm) and
-  grows to 6 blocks, 144 for the 48 that exist, so vLLM preempts running requests in their
+  grows to 6 blocks, 192 for the 48 that exist, so vLLM preempts running requests in their
   decode and recomputes them later. Target: >= 90 % of the requests flagged slow (their
   time per output token, not their TTFT) and >= 90 % of those attributed to memory with
   ``preemptions`` in their top evidence.
@@ -147,10 +147,10 @@ class Shape:
 CALM = Shape(concurrency=2, prompt_tokens=32, max_tokens=16)
 MEMORY = Shape(concurrency=12, prompt_tokens=512, max_tokens=1200)
 HOGS = Shape(concurrency=4, prompt_tokens=512, max_tokens=1500)
-DECODE = Shape(concurrency=16, prompt_tokens=32, max_tokens=640)
-"""Decode-phase preemption: 16 short prompts (1 block each: admitted at once, TTFT fine)
-growing to 6 blocks each, 96 blocks for the 48 that exist: vLLM preempts running requests
-in their decode."""
+DECODE = Shape(concurrency=32, prompt_tokens=32, max_tokens=640)
+"""Decode-phase preemption: 32 short prompts (1 block each: admitted at once, TTFT fine)
+growing to 6 blocks each, 192 blocks for the 48 that exist: vLLM preempts running requests
+in their decode, and they wait for blocks before they are recomputed."""
 
 
 @dataclass
