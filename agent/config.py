@@ -302,7 +302,7 @@ class AttributionConfig(_Model):
     slo_ttft_s: Seconds = Field(default=2.0, gt=0, le=3600)
     slo_e2e_s: Seconds = Field(default=30.0, gt=0, le=86400)
     slo_tpot_s: Seconds = Field(default=0.5, gt=0, le=3600)
-    baseline_quantile: float = Field(default=0.95, gt=0, lt=1)
+    baseline_quantile: float = Field(default=0.99, gt=0, lt=1)
     baseline_factor: float = Field(default=1.5, ge=1, le=100)
     baseline_requests: int = Field(default=500, ge=10, le=100_000)
     baseline_min_requests: int = Field(default=30, ge=1, le=100_000)

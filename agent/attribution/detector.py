@@ -30,7 +30,8 @@ been seen not to be). For a request of size ``x``::
 
     expected(x)  = intercept + slope x                       (at least 1 microsecond)
     ratio_i      = value_i / expected(x_i)                    over the fitted points
-    threshold(x) = max(factor x quantile_q(ratio) x expected(x), expected(x) + floor_s)
+    threshold(x) = max(factor x quantile_q'(ratio) x expected(x), expected(x) + floor_s)
+    q'           = min(q, 1 - 3 / n)                         (n fitted points)
     slow         = value > threshold(x)                       once >= min_requests are known
 
 so a 3,000-token prompt prefilled at the usual per-token rate is not slow, and a decode at
@@ -42,10 +43,16 @@ engine misses the TTFT SLO at the engine's usual per-token rate: the remedy is c
 not an incident), and the miss is reported in :attr:`Verdict.slo_missed`
 (``kvpressure explain`` counts such requests).
 
-Defaults: ``q = 0.95``, ``factor = 1.5``, ``N = 500`` points per engine and phase (the line
+Defaults: ``q = 0.99``, ``factor = 1.5``, ``N = 500`` points per engine and phase (the line
 is fitted through the latest 96, the ratio quantile is over all), ``min_requests = 30``, ``floor_s = 0.05`` (for TPOT the floor is on
 the whole decode, ``floor_s / (output - 1)`` per token; 0.02 for the longest gap),
 ``slo_ttft_s = 2.0``, ``slo_tpot_s = 0.5``, ``slo_e2e_s = 30.0``.
+
+``q`` is higher than the single-latency baseline's usual p95: up to six phases of every
+request are judged, and a request is slow when any one is, so each phase's tail must be
+rarer for the requests' false-slow rate to stay at a few per cent (a calm mixed-length
+workload, where a short request now and then waits behind a long prefill, must not read
+as an incident).
 
 Only requests that completed (``outcome == "ok"``) feed a phase's fit, and only when that
 phase was not slow against the fit, so a long incident does not become the new normal; a
@@ -73,6 +80,9 @@ than FIT_POINTS), so its cost stays bounded at any request rate."""
 
 MIN_RELATIVE_DX = 0.25
 """Pairs whose sizes differ by less than this share of the larger give no slope."""
+
+TAIL_POINTS = 3
+"""Points kept above the tail quantile: ``q`` falls to ``1 - 3/n`` while ``n`` is small."""
 
 TOKEN_SIZED = frozenset({"prefill", "ttft", "e2e"})
 """Phases whose size is a token count (cost proportional to it when only one size is seen)."""
@@ -252,12 +262,16 @@ class CostModel:
     def threshold(self, x: float, q: float, factor: float, floor_s: float) -> tuple[float, float]:
         """Return ``(threshold, expected)`` for size ``x`` (formula in the module docstring).
 
+        The quantile is ``min(q, 1 - TAIL_POINTS / n)`` of the ``n`` ratios: a tail quantile
+        of few points is set by one outlier, so it keeps :data:`TAIL_POINTS` above it.
+
         Raises:
             ValueError: no point learnt yet.
         """
         _, _, ratios = self._model()
         exp = self.expected(x)
-        return max(factor * quantile(ratios, q) * exp, exp + floor_s), exp
+        qq = min(q, 1.0 - TAIL_POINTS / len(ratios))
+        return max(factor * quantile(ratios, max(qq, 0.5)) * exp, exp + floor_s), exp
 
 
 class SlowDetector:
@@ -280,7 +294,7 @@ class SlowDetector:
         self,
         slo_ttft_s: float = 2.0,
         slo_e2e_s: float = 30.0,
-        baseline_quantile: float = 0.95,
+        baseline_quantile: float = 0.99,
         baseline_factor: float = 1.5,
         baseline_requests: int = 500,
         baseline_min_requests: int = 30,
