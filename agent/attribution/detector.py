@@ -44,9 +44,10 @@ not an incident), and the miss is reported in :attr:`Verdict.slo_missed`
 (``kvpressure explain`` counts such requests).
 
 Defaults: ``q = 0.99``, ``factor = 1.5``, ``N = 500`` points per engine and phase (the line
-is fitted through the latest 96, the ratio quantile is over all), ``min_requests = 30``, ``floor_s = 0.05`` (for TPOT the floor is on
-the whole decode, ``floor_s / (output - 1)`` per token; 0.02 for the longest gap),
-``slo_ttft_s = 2.0``, ``slo_tpot_s = 0.5``, ``slo_e2e_s = 30.0``.
+is fitted through the latest 96, the ratio quantile is over all), ``min_requests = 30``,
+``floor_s = 0.05`` (for TPOT the floor is on the whole decode, ``floor_s / (output - 1)``
+per token; 0.02 for the longest gap), ``slo_ttft_s = 2.0``, ``slo_tpot_s = 0.5``,
+``slo_e2e_s = 30.0``.
 
 ``q`` is higher than the single-latency baseline's usual p95: up to six phases of every
 request are judged, and a request is slow when any one is, so each phase's tail must be
