@@ -38,10 +38,10 @@ new requests):
   requests. The hogs started before the scenario's time range, so their own records are
   not counted in it.
 
-* ``decode``: decode-phase preemption. ``--decode-requests`` (32) concurrent clients send
-  32 prompt + 640 output tokens: each is admitted at once (1 block; TTFT stays calm) and
-  grows to 6 blocks, 192 for the 48 that exist, so vLLM preempts running requests in their
-  decode and recomputes them later. Target: >= 90 % of the requests flagged slow (their
+* ``decode``: decode-phase preemption. ``--decode-requests`` (48) concurrent clients send
+  32 prompt + 1,200 output tokens, 50 ms apart: each is admitted at once (1 block; TTFT
+  stays calm) and grows to 10 blocks, 480 for the 48 that exist, so vLLM preempts running
+  requests in their decode; they wait for blocks and are recomputed later. Target: >= 90 % of the requests flagged slow (their
   time per output token, not their TTFT) and >= 90 % of those attributed to memory with
   ``preemptions`` in their top evidence.
 
@@ -147,10 +147,13 @@ class Shape:
 CALM = Shape(concurrency=2, prompt_tokens=32, max_tokens=16)
 MEMORY = Shape(concurrency=12, prompt_tokens=512, max_tokens=1200)
 HOGS = Shape(concurrency=4, prompt_tokens=512, max_tokens=1500)
-DECODE = Shape(concurrency=32, prompt_tokens=32, max_tokens=640)
-"""Decode-phase preemption: 32 short prompts (1 block each: admitted at once, TTFT fine)
-growing to 6 blocks each, 192 blocks for the 48 that exist: vLLM preempts running requests
-in their decode, and they wait for blocks before they are recomputed."""
+DECODE = Shape(concurrency=48, prompt_tokens=32, max_tokens=1200)
+"""Decode-phase preemption: 48 short prompts (1 block each: admitted at once, TTFT fine)
+growing to 10 blocks each, 480 blocks for the 48 that exist: vLLM preempts running
+requests in their decode, and they wait for blocks before they are recomputed."""
+DECODE_STAGGER_S = 0.05
+"""The decode scenario's requests arrive this far apart (a burst of 48 prefills in one batch
+would make their TTFT slow too; the scenario is about the decode)."""
 
 
 @dataclass
@@ -176,6 +179,9 @@ def _preemptions(vllm_url: str) -> float:
 
 
 async def _one(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> Result:
+    delay = body.pop("_delay_s", 0.0)
+    if delay:
+        await asyncio.sleep(delay)
     start = time.time()
     try:
         resp = await client.post(f"{url}/v1/completions", json=body)
@@ -190,7 +196,9 @@ async def _one(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> Res
     return Result(start, end, None, resp.status_code, error)
 
 
-async def run_load(url: str, n: int, shape: Shape, seed: int) -> list[Result]:
+async def run_load(
+    url: str, n: int, shape: Shape, seed: int, stagger_s: float = 0.0
+) -> list[Result]:
     """``n`` completions from ``shape.concurrency`` closed-loop workers.
 
     Prompts are ``shape.prompt_tokens`` random token ids (a different sequence per request,
@@ -208,6 +216,9 @@ async def run_load(url: str, n: int, shape: Shape, seed: int) -> list[Result]:
         }
         for _ in range(n)
     ]
+    for i, b in enumerate(bodies[: shape.concurrency]):
+        if stagger_s:
+            b["_delay_s"] = i * stagger_s  # the first requests arrive one by one, not as a burst
     return await closed_loop(url, bodies, shape.concurrency, _one, timeout_s=600.0)
 
 
@@ -300,9 +311,9 @@ class Bench:
             if p is not None:
                 vs.stop_group(p, grace_s=grace)
 
-    def load(self, n: int, shape: Shape, seed: int) -> list[Result]:
+    def load(self, n: int, shape: Shape, seed: int, stagger_s: float = 0.0) -> list[Result]:
         self.sent += n
-        return asyncio.run(run_load(self.vllm_url, n, shape, seed))
+        return asyncio.run(run_load(self.vllm_url, n, shape, seed, stagger_s))
 
     def attributions(self, since: float, limit: int = 0) -> dict[str, Any]:
         resp = httpx.get(
@@ -370,7 +381,7 @@ class Bench:
             f"{shape.prompt_tokens} prompt + {shape.max_tokens} output tokens each"
         )
         res.start = time.time()
-        results = self.load(n, shape, seed)
+        results = self.load(n, shape, seed, DECODE_STAGGER_S if name == "decode" else 0.0)
         res.end = time.time()
         if hog_thread is not None:
             hog_thread.join()
