@@ -41,9 +41,9 @@ new requests):
 * ``decode``: decode-phase preemption. ``--decode-requests`` (48) concurrent clients send
   32 prompt + 1,200 output tokens, 50 ms apart: each is admitted at once (1 block; TTFT
   stays calm) and grows to 10 blocks, 480 for the 48 that exist, so vLLM preempts running
-  requests in their decode; they wait for blocks and are recomputed later. Target: >= 90 % of the requests flagged slow (their
-  time per output token, not their TTFT) and >= 90 % of those attributed to memory with
-  ``preemptions`` in their top evidence.
+  requests in their decode; they wait for blocks and are recomputed later. Target: >= 90 %
+  of the requests flagged slow (their time per output token, not their TTFT) and >= 90 %
+  of those attributed to memory with ``preemptions`` in their top evidence.
 
   Why hogs and long outputs: without the hogs, the first wave of a burst into an idle
   engine is slow (TTFT 0.07-0.3 s against the 50 ms baseline threshold) only because
