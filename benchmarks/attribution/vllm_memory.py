@@ -38,10 +38,12 @@ new requests):
   requests. The hogs started before the scenario's time range, so their own records are
   not counted in it.
 
-* ``decode``: decode-phase preemption. ``--decode-requests`` (48) concurrent clients send
-  32 prompt + 1,200 output tokens, 50 ms apart: each is admitted at once (1 block; TTFT
-  stays calm) and grows to 10 blocks, 480 for the 48 that exist, so vLLM preempts running
-  requests in their decode; they wait for blocks and are recomputed later. Target: >= 90 %
+* ``decode``: decode-phase preemption. 4 decode hogs (32 prompt + 1,500 output tokens,
+  growing to 12 blocks each) start 1 s ahead; then ``--decode-requests`` (16) concurrent
+  clients send 32 prompt + 600 output tokens, 50 ms apart: each is admitted at once (1
+  block; TTFT stays calm) and grows to 5 blocks, 128 blocks in all for the 48 that exist,
+  so vLLM preempts the newest running requests, these, in their decode; they wait for
+  blocks until the hogs finish and are recomputed. Target: >= 90 %
   of the requests flagged slow (their time per output token, not their TTFT) and >= 90 %
   of those attributed to memory with ``preemptions`` in their top evidence.
 
@@ -147,12 +149,18 @@ class Shape:
 CALM = Shape(concurrency=2, prompt_tokens=32, max_tokens=16)
 MEMORY = Shape(concurrency=12, prompt_tokens=512, max_tokens=1200)
 HOGS = Shape(concurrency=4, prompt_tokens=512, max_tokens=1500)
-DECODE = Shape(concurrency=48, prompt_tokens=32, max_tokens=1200)
-"""Decode-phase preemption: 48 short prompts (1 block each: admitted at once, TTFT fine)
-growing to 10 blocks each, 480 blocks for the 48 that exist: vLLM preempts running
-requests in their decode, and they wait for blocks before they are recomputed."""
+DECODE = Shape(concurrency=16, prompt_tokens=32, max_tokens=600)
+"""Decode-phase preemption: 16 short prompts (1 block each: admitted at once, TTFT fine)
+growing to 5 blocks each while the decode hogs grow too: vLLM preempts the newest running
+requests (these) in their decode, and they wait for blocks until the hogs finish."""
+DECODE_HOGS = Shape(concurrency=4, prompt_tokens=32, max_tokens=1500)
+"""Older requests that grow to 12 blocks each (48 for 4): vLLM never preempts them (it
+preempts the newest), so they hold the KV the scenario's requests need."""
+DECODE_HOG_LEAD_S = 1.0
+"""The decode hogs start this long before the scenario's requests: long enough to be the
+older requests, short enough that the KV still has room to admit the scenario's (TTFT)."""
 DECODE_STAGGER_S = 0.05
-"""The decode scenario's requests arrive this far apart (a burst of 48 prefills in one batch
+"""The decode scenario's requests arrive this far apart (a burst of 16 prefills in one batch
 would make their TTFT slow too; the scenario is about the decode)."""
 
 
@@ -358,13 +366,14 @@ class Bench:
         requests are done, and the hogs are awaited after that.
         """
         res = VllmScenarioResult(name)
+        lead = self.args.hog_lead_s if name == "memory" else DECODE_HOG_LEAD_S
         preempted0 = _preemptions(self.vllm_url)
         hog_thread: threading.Thread | None = None
         hog_results: list[Result] = []
         if hogs is not None and hogs.concurrency > 0:
             log(
                 f"{name}: {hogs.concurrency} KV hogs of {hogs.prompt_tokens} prompt + "
-                f"{hogs.max_tokens} output tokens, {self.args.hog_lead_s:g}s ahead"
+                f"{hogs.max_tokens} output tokens, {lead:g}s ahead"
             )
             self.sent += hogs.concurrency
 
@@ -375,7 +384,7 @@ class Bench:
 
             hog_thread = threading.Thread(target=hog, daemon=True)
             hog_thread.start()
-            time.sleep(self.args.hog_lead_s)
+            time.sleep(lead)
         log(
             f"{name}: {n} requests, {shape.concurrency} concurrent, "
             f"{shape.prompt_tokens} prompt + {shape.max_tokens} output tokens each"
@@ -405,7 +414,7 @@ class Bench:
             res.fault += (
                 f", after {hogs.concurrency} KV hogs x {hogs.prompt_tokens}+{hogs.max_tokens} "
                 f"({hogs.concurrency * _blocks(hogs)} blocks) started "
-                f"{self.args.hog_lead_s:g}s ahead"
+                f"{lead:g}s ahead"
             )
         res.fault += (
             f"; {KV_BLOCKS} blocks exist); vLLM preemptions +{res.preemptions:.0f}; "
@@ -531,7 +540,7 @@ def run(args: argparse.Namespace) -> tuple[list[Any], dict[str, Any], str, bool,
                     shapes[name],
                     2000 + 100 * i,
                     t_begin,
-                    hogs if name == "memory" else None,
+                    hogs if name == "memory" else DECODE_HOGS if name == "decode" else None,
                 )
             )
         b.wait_records(t_begin)

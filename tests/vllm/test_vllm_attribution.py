@@ -1,6 +1,6 @@
 """Reduced vLLM memory scenarios of the attribution benchmark
 (``benchmarks/attribution/vllm_memory.py``): the same run and assertions as the full one,
-30 memory and 30 calm requests and one wave of 48 decode-phase-preemption requests.
+30 memory and 30 calm requests and one wave of 16 decode-phase-preemption requests.
 
 A real vLLM CPU server sends its ``llm_request`` spans over OTLP/HTTP to a real agent, which
 also scrapes its ``/metrics``; no proxy. After a calm warm-up, 30 calm requests must not be
