@@ -312,3 +312,20 @@ def test_explain_tells_what_to_change_for_every_cause_that_scored():
     assert REMEDIES["concurrency"] in text and REMEDIES["compute"] in text
     assert REMEDIES["storage"] not in text and REMEDIES["memory"] not in text
     assert "[slow: ttft, queue]" in text
+
+
+def test_noise_in_similar_sizes_does_not_excuse_a_slow_larger_request():
+    """Calm prompts of 40-60 tokens with noisy TTFT must not fit a steep slope that makes a
+    300-token request waiting 5.8 s look expected (the llama.cpp memory scenario)."""
+    d = SlowDetector()
+    for i in range(70):
+        tokens = 40 + (i * 7) % 21
+        ttft = 0.19 * (1 + 0.3 * ((i * 5) % 7 - 3) / 3) * (1 + (tokens - 40) / 40)
+        d.judge(RequestRecord(ENG, T + i, T + i + 1, ttft_s=ttft, e2e_s=1.0, input_tokens=tokens))
+    for i in range(20):
+        v = d.judge(
+            RequestRecord(ENG, T + 100 + i, T + 107 + i, ttft_s=5.8, e2e_s=7.0, input_tokens=320)
+        )
+        assert v is not None and v.slow, v
+    # a TTFT past the SLO is never learnt, so the same requests stay slow
+    assert d.baseline_size(ENG, "ttft") == 70

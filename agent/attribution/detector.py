@@ -21,9 +21,9 @@ e2e       ``e2e_s`` of requests without a TTFT     output tokens where known
 ========= ======================================= =========================================
 
 The fit (:class:`CostModel`) is Theil-Sen: the slope is the median of the pairwise slopes
-between points whose sizes differ by at least a quarter, never negative; the intercept is
-the median residual. A workload of one size says nothing about the slope: token-sized
-phases then scale with the tokens (the per-token rate of the requests seen, so a 3,000-token
+between points whose sizes differ by at least a factor 2, between 0 and the median cost per
+unit of size; the intercept is the median residual. A workload of one size says nothing
+about the slope: token-sized phases then scale with the tokens (the per-token rate of the requests seen, so a 3,000-token
 prompt after 100-token ones is expected to cost 30 times theirs), batch-sized ones stay
 constant (a decode that slows as the batch grows is then slow until larger batches have
 been seen not to be). For a request of size ``x``::
@@ -56,8 +56,9 @@ workload, where a short request now and then waits behind a long prefill, must n
 as an incident).
 
 Only requests that completed (``outcome == "ok"``) feed a phase's fit, and only when that
-phase was not slow against the fit, so a long incident does not become the new normal; a
-lasting change to slower traffic is still bounded by the SLOs.
+phase was not slow against the fit and did not miss its SLO, so a long incident does not
+become the new normal, and an incident the fit misses cannot teach it values past the
+SLO.
 """
 
 from __future__ import annotations
@@ -79,8 +80,9 @@ REFIT_EVERY = 32
 """A fit is recomputed after this many new points (after every one while it has fewer
 than FIT_POINTS), so its cost stays bounded at any request rate."""
 
-MIN_RELATIVE_DX = 0.25
-"""Pairs whose sizes differ by less than this share of the larger give no slope."""
+MIN_SIZE_RATIO = 2.0
+"""Pairs whose sizes differ by less than this factor give no slope: prompts of 45 and 60
+tokens differ mostly by noise, and a slope fitted on such pairs extrapolates wildly."""
 
 TAIL_POINTS = 3
 """Points kept above the tail quantile: ``q`` falls to ``1 - 3/n`` while ``n`` is small."""
@@ -181,9 +183,11 @@ def _median(values: list[float]) -> float:
 def theil_sen(points: list[tuple[float, float]], proportional: bool = False) -> tuple[float, float]:
     """Robust line ``y = intercept + slope x`` through ``points`` (``(x, y)`` pairs).
 
-    The slope is the median of the slopes of every pair whose ``x`` differ by at least
-    :data:`MIN_RELATIVE_DX` of the larger (never negative: a cost does not fall with size);
-    the intercept is the median of ``y - slope x``. When no pair differs that much (every
+    The slope is the median of the slopes of every pair whose ``x`` differ by at least a
+    factor :data:`MIN_SIZE_RATIO`, never negative (a cost does not fall with size) and never
+    above the median of ``y / x`` (a cost that is not negative at size 0 does not rise
+    faster than that; this bounds the extrapolation to larger sizes); the intercept is the
+    median of ``y - slope x``, at least 0. When no pair differs that much (every
     request of about one size) the slope cannot be told from the points: with
     ``proportional`` the cost is taken as proportional to the size (slope the median of
     ``y / x``, intercept 0: the per-token rate of the requests seen), else constant (slope
@@ -203,15 +207,17 @@ def theil_sen(points: list[tuple[float, float]], proportional: bool = False) -> 
         xi, yi = points[i]
         for j in range(i + 1, n):
             xj, yj = points[j]
-            dx = xj - xi
-            if abs(dx) >= MIN_RELATIVE_DX * max(abs(xi), abs(xj)) and dx != 0:
-                slopes.append((yj - yi) / dx)
-    if not slopes and proportional:
-        rates = [y / x for x, y in points if x > 0]
-        if rates:
-            return 0.0, max(0.0, _median(rates))
+            lo, hi = min(xi, xj), max(xi, xj)
+            if hi > 0 and hi >= MIN_SIZE_RATIO * lo:
+                slopes.append((yj - yi) / (xj - xi))
+    rates = [y / x for x, y in points if x > 0]
+    rate = max(0.0, _median(rates)) if rates else None
+    if not slopes and proportional and rate is not None:
+        return 0.0, rate
     slope = max(0.0, _median(slopes)) if slopes else 0.0
-    intercept = _median([y - slope * x for x, y in points])
+    if rate is not None:
+        slope = min(slope, rate)  # a line with a cost >= 0 at size 0 rises no faster
+    intercept = max(0.0, _median([y - slope * x for x, y in points]))
     return intercept, slope
 
 
@@ -369,6 +375,8 @@ class SlowDetector:
         def slo(phase: str, value: float, a: float, b: float) -> None:
             if value > self.slo[phase]:
                 missed.append(phase)
+                # never learnt: an undetected incident must not become the norm past the SLO
+                learn[:] = [x for x in learn if x[0] != phase]
             if phase not in fitted:  # warm-up: the SLO is the only judgement
                 judged.append(PhaseVerdict(phase, value, self.slo[phase], "slo", None, None, a, b))
 
