@@ -23,10 +23,10 @@ e2e       ``e2e_s`` of requests without a TTFT     output tokens where known
 The fit (:class:`CostModel`) is Theil-Sen: the slope is the median of the pairwise slopes
 between points whose sizes differ by at least a factor 2, between 0 and the median cost per
 unit of size; the intercept is the median residual. A workload of one size says nothing
-about the slope: token-sized phases then scale with the tokens (the per-token rate of the requests seen, so a 3,000-token
-prompt after 100-token ones is expected to cost 30 times theirs), batch-sized ones stay
-constant (a decode that slows as the batch grows is then slow until larger batches have
-been seen not to be). For a request of size ``x``::
+about the slope: token-sized phases then scale with the tokens (the per-token rate of the
+requests seen, so a 3,000-token prompt after 100-token ones is expected to cost 30 times
+theirs), batch-sized ones stay constant (a decode that slows as the batch grows is then
+slow until larger batches have been seen not to be). For a request of size ``x``::
 
     expected(x)  = intercept + slope x                       (at least 1 microsecond)
     ratio_i      = value_i / expected(x_i)                    over the fitted points
