@@ -329,3 +329,12 @@ def test_noise_in_similar_sizes_does_not_excuse_a_slow_larger_request():
         assert v is not None and v.slow, v
     # a TTFT past the SLO is never learnt, so the same requests stay slow
     assert d.baseline_size(ENG, "ttft") == 70
+
+
+def test_the_cap_yields_to_a_shortage_that_slows_the_engine():
+    """8 requests for 4 slots while the engine swaps: the queue at the cap is the swap's
+    symptom; memory is named, concurrency still scored (and its remedy shown)."""
+    scores = {"memory": 0.6, "concurrency": 0.8, "compute": 0.1}
+    assert primary_cause(scores, 0.3) == "memory"
+    assert primary_cause({"memory": 0.2, "concurrency": 0.8}, 0.3) == "concurrency"
+    assert primary_cause({"concurrency": 0.2}, 0.3) == "unknown"

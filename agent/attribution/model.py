@@ -29,6 +29,10 @@ is short (``memory``, ``storage``, ``network``, ``compute``), the engine's concu
 (``concurrency``: requests queue while every slot or ``max_num_seqs`` place is taken and KV
 has room), or another request's long prefill (``prefill_interference``)."""
 
+SYMPTOM_CAUSES: tuple[str, ...] = ("concurrency",)
+"""Causes named only when no other cause scored ``min_score``: requests queue at the cap
+whenever the ones running take longer, so a shortage that slows them comes first."""
+
 REMEDIES: dict[str, str] = {
     "memory": "KV or host memory is short: lower max concurrent sequences or context "
     "length, give the engine more GPU/host memory (vLLM --gpu-memory-utilization, the "

@@ -80,8 +80,11 @@ upstream_connect           network  1.0    [0.05, 0.5]   proxy-measured connect 
 transport_gap              network  0.8    [0.25, 1.0]   TTFT not spent in the engine: TTFT -
                                                          prefill - queue (record; only when the
                                                          queue time is known or no request waited).
-                                                         Residual: dropped when a memory, storage
-                                                         or compute rule scored >= min_score, since
+                                                         Residual: dropped when a memory, storage,
+                                                         compute, concurrency or prefill
+                                                         interference rule scored >= min_score
+                                                         (waiting for a slot or behind a prefill
+                                                         is not transport), and since
                                                          a stalled engine is also slow to start
                                                          prefill (CPU-starved HTTP thread, weights
                                                          and vocabulary paged in before prefill)
@@ -125,9 +128,11 @@ scope, the rules that read the engine's own metrics (:data:`ENGINE_RULES`) are n
 evaluated and the attribution lists :data:`~agent.attribution.model.ENGINE_METRICS_STALE`
 as unassessed.
 
-**Weights of the operator causes.** ``queue_at_cap`` weighs 0.8: requests queue at the cap
-whenever the engine is slower to finish the ones it runs, so a resource shortage that
-saturates its own evidence (1.0) is named before the cap it makes visible.
+**Weights of the operator causes.** ``queue_at_cap`` weighs 0.8, and ``concurrency`` is
+named only when no other cause reached ``min_score``
+(:func:`agent.attribution.engine.primary_cause`): requests queue at the cap whenever the
+engine is slower to finish the ones it runs, so a shortage that slows it is named before
+the cap it makes visible.
 """
 
 from __future__ import annotations
@@ -807,7 +812,13 @@ IO_NET_OF_MEMORY = {"psi_io_some": "psi_memory_some", "psi_io_full": "psi_memory
 """io PSI rules and the memory PSI rule subtracted from them when memory is short."""
 
 RESIDUAL = frozenset({"transport_gap"})
-"""Rules that only count when no memory, storage or compute rule explains the delay."""
+"""Rules that only count when no rule of :data:`RESIDUAL_EXPLAINED_BY` explains the delay."""
+
+RESIDUAL_EXPLAINED_BY = frozenset(
+    {"memory", "storage", "compute", "concurrency", "prefill_interference"}
+)
+"""Causes that explain a TTFT not spent in prefill: a stalled engine is slow to start
+prefill, and a request waiting for a slot or behind another prefill is waiting."""
 
 METRICS_READ: tuple[str, ...] = (
     "kvpressure_engine_up",
@@ -912,7 +923,7 @@ def evaluate(
             for e in found
         ]  # fmt: skip
     engine_stalled = any(
-        e.cause in ("memory", "storage", "compute") and e.score >= params.min_score for e in found
+        e.cause in RESIDUAL_EXPLAINED_BY and e.score >= params.min_score for e in found
     )
     evidence = [e for e in found if e.signal not in RESIDUAL] if engine_stalled else found
     scores = dict.fromkeys(ALL_CAUSES, 0.0)
