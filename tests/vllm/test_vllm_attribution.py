@@ -1,6 +1,6 @@
-"""Reduced vLLM memory scenarios of the attribution benchmark
+"""Reduced vLLM memory scenario of the attribution benchmark
 (``benchmarks/attribution/vllm_memory.py``): the same run and assertions as the full one,
-30 memory and 30 calm requests and one wave of 16 decode-phase-preemption requests.
+30 memory and 30 calm requests (about 100 s on 2 cores).
 
 A real vLLM CPU server sends its ``llm_request`` spans over OTLP/HTTP to a real agent, which
 also scrapes its ``/metrics``; no proxy. After a calm warm-up, 30 calm requests must not be
@@ -10,9 +10,9 @@ attributed to memory; the records must come from the spans (queue, prefill and d
 and the load must really fill the KV cache and preempt. Skips like the other vLLM tests when
 the vLLM virtualenv or the model is missing (fails under ``KVPRESSURE_E2E_REQUIRED=1``).
 
-The decode scenario (16 short prompts growing into a KV cache too small for all of them):
-at least 90 % flagged slow though their TTFT is calm, at least 90 % of those memory with
-``preemptions`` in their top evidence (the benchmark's ``problems``).
+The benchmark's ``decode`` scenario (decode-phase preemption) is not run here: on 2 cores
+it does not yet preempt reliably (vLLM preemptions +16 in one run, +1 in the next), so it
+is a benchmark, not a gate (``benchmarks/attribution/README.md``).
 """
 
 from __future__ import annotations
@@ -63,6 +63,8 @@ def test_reduced_vllm_memory_attribution(tmp_path: Path) -> None:
             str(REQUESTS),
             "--calm-requests",
             str(CALM_REQUESTS),
+            "--scenarios",
+            "calm,memory",
             "--json",
             str(out),
             "--workdir",
@@ -72,7 +74,7 @@ def test_reduced_vllm_memory_attribution(tmp_path: Path) -> None:
     )
     doc = json.loads(out.read_text())
     results = {r["name"]: r for r in doc["results"]}
-    calm, memory, decode = results["calm"], results["memory"], results["decode"]
+    calm, memory = results["calm"], results["memory"]
     REPORT["attribution_memory"] = {
         "wall_s": round(time.monotonic() - t0, 1),
         "calm": {"requests": calm["requests"], "slow": calm["slow"], "by_cause": calm["by_cause"]},
@@ -83,13 +85,6 @@ def test_reduced_vllm_memory_attribution(tmp_path: Path) -> None:
             "preemptions": memory["preemptions"],
             "queue_p95_s": memory["agent_phases"].get("queue", {}).get("p95"),
         },
-        "decode": {
-            "requests": decode["requests"],
-            "slow": decode["slow"],
-            "decode_phase_slow": decode["decode_slow"],
-            "by_cause": decode["by_cause"],
-            "preemptions": decode["preemptions"],
-        },
         "problems": doc["problems"],
     }
 
@@ -98,8 +93,5 @@ def test_reduced_vllm_memory_attribution(tmp_path: Path) -> None:
     assert calm["by_cause"].get("memory", 0) == 0, calm
     assert memory["slow"] > 0, f"the KV-starved load made no request slow: {memory}"
     assert memory["accuracy"] >= bench.TARGET_ACCURACY, memory
-    assert decode["slow"] >= bench.TARGET_ACCURACY * decode["requests"], decode
-    assert decode["decode_slow"] >= bench.TARGET_ACCURACY * decode["slow"], decode
-    assert decode["accuracy"] >= bench.TARGET_ACCURACY, decode
     assert doc["problems"] == [], doc["problems"]
     assert rc == 0
