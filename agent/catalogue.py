@@ -12,8 +12,8 @@ Naming follows Prometheus conventions: base units (bytes, seconds), ratios in 0-
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, replace
+from typing import Final, Literal, cast
 
 Kind = Literal["gauge", "counter", "histogram", "info"]
 
@@ -1422,6 +1422,16 @@ _ALL: tuple[Metric, ...] = (
     ),
 )
 
+POD_LABELS = ("pod_uid", "namespace", "pod", "container")
+"""Labels of an engine's pod on every series of the engine sampler (``engine`` and
+``instance`` labelled), when the PID listening on the engine's port is in a pod
+(:class:`agent.kube.EnginePods`); absent otherwise."""
+_ALL = tuple(
+    replace(m, labels=(*m.labels, *POD_LABELS))
+    if m.name.startswith("kvpressure_engine_") and {"engine", "instance"} <= set(m.labels)
+    else m
+    for m in _ALL
+)
 CATALOGUE: dict[str, Metric] = {m.name: m for m in _ALL}
 """Every exported metric by name."""
 
@@ -1461,6 +1471,19 @@ def metric_of_sample(sample_name: str) -> Metric | None:
     return None
 
 
+def histogram_names(name: str) -> tuple[SampleName, SampleName, SampleName]:
+    """The ``_bucket``, ``_count`` and ``_sum`` sample names of catalogued histogram ``name``.
+
+    Raises:
+        KeyError: ``name`` is not a histogram of the catalogue.
+    """
+    m = CATALOGUE.get(name)
+    if m is None or m.kind != "histogram":
+        raise KeyError(f"{name!r} is not a catalogued histogram")
+    names = (f"{name}_bucket", f"{name}_count", f"{name}_sum")
+    return cast("tuple[SampleName, SampleName, SampleName]", names)
+
+
 def markdown_table() -> str:
     """Return the catalogue as the Markdown table embedded in the README.
 
@@ -1489,6 +1512,309 @@ def update_readme(path: str) -> bool:
         p.write_text(new, encoding="utf-8")
     return new != text
 
+
+# ---- names: one constant per metric, and every sample name (tests/test_catalogue.py) ----
+BUILD_INFO: Final = "kvpressure_build_info"
+SAMPLER_UP: Final = "kvpressure_sampler_up"
+SAMPLER_DURATION_SECONDS: Final = "kvpressure_sampler_duration_seconds"
+SAMPLER_FAILURES_TOTAL: Final = "kvpressure_sampler_failures_total"
+SOURCE_UP: Final = "kvpressure_source_up"
+SOURCE_UNSUPPORTED: Final = "kvpressure_source_unsupported"
+TIMELINE_SERIES: Final = "kvpressure_timeline_series"
+TIMELINE_DROPPED_SAMPLES_TOTAL: Final = "kvpressure_timeline_dropped_samples_total"
+TIMELINE_EVICTED_SERIES_TOTAL: Final = "kvpressure_timeline_evicted_series_total"
+EXPORTER_UNKNOWN_SAMPLES_TOTAL: Final = "kvpressure_exporter_unknown_samples_total"
+CONFIG_RELOADS_TOTAL: Final = "kvpressure_config_reloads_total"
+HOST_MEMORY_TOTAL_BYTES: Final = "kvpressure_host_memory_total_bytes"
+HOST_MEMORY_AVAILABLE_BYTES: Final = "kvpressure_host_memory_available_bytes"
+HOST_MEMINFO_TOTAL_BYTES: Final = "kvpressure_host_meminfo_total_bytes"
+HOST_MEMINFO_AVAILABLE_BYTES: Final = "kvpressure_host_meminfo_available_bytes"
+HOST_CGROUP_MEMORY_LIMIT_BYTES: Final = "kvpressure_host_cgroup_memory_limit_bytes"
+HOST_CGROUP_MEMORY_USED_BYTES: Final = "kvpressure_host_cgroup_memory_used_bytes"
+HOST_SWAP_TOTAL_BYTES: Final = "kvpressure_host_swap_total_bytes"
+HOST_SWAP_USED_BYTES: Final = "kvpressure_host_swap_used_bytes"
+HOST_MAJOR_PAGE_FAULTS_TOTAL: Final = "kvpressure_host_major_page_faults_total"
+HOST_SWAP_IN_PAGES_TOTAL: Final = "kvpressure_host_swap_in_pages_total"
+HOST_SWAP_OUT_PAGES_TOTAL: Final = "kvpressure_host_swap_out_pages_total"
+HOST_ALLOCSTALLS_TOTAL: Final = "kvpressure_host_allocstalls_total"
+PSI_STALL_SECONDS_TOTAL: Final = "kvpressure_psi_stall_seconds_total"
+PSI_AVG10_RATIO: Final = "kvpressure_psi_avg10_ratio"
+CGROUP_MEMORY_USED_BYTES: Final = "kvpressure_cgroup_memory_used_bytes"
+CGROUP_MEMORY_LIMIT_BYTES: Final = "kvpressure_cgroup_memory_limit_bytes"
+CGROUP_MEMORY_EVENTS_TOTAL: Final = "kvpressure_cgroup_memory_events_total"
+DISK_READ_BYTES_TOTAL: Final = "kvpressure_disk_read_bytes_total"
+DISK_WRITTEN_BYTES_TOTAL: Final = "kvpressure_disk_written_bytes_total"
+DISK_READS_COMPLETED_TOTAL: Final = "kvpressure_disk_reads_completed_total"
+DISK_WRITES_COMPLETED_TOTAL: Final = "kvpressure_disk_writes_completed_total"
+DISK_IO_TIME_SECONDS_TOTAL: Final = "kvpressure_disk_io_time_seconds_total"
+DISK_IO_TIME_WEIGHTED_SECONDS_TOTAL: Final = "kvpressure_disk_io_time_weighted_seconds_total"
+NET_RECEIVE_BYTES_TOTAL: Final = "kvpressure_net_receive_bytes_total"
+NET_TRANSMIT_BYTES_TOTAL: Final = "kvpressure_net_transmit_bytes_total"
+NET_RECEIVE_ERRORS_TOTAL: Final = "kvpressure_net_receive_errors_total"
+NET_TRANSMIT_ERRORS_TOTAL: Final = "kvpressure_net_transmit_errors_total"
+NET_RECEIVE_DROPS_TOTAL: Final = "kvpressure_net_receive_drops_total"
+NET_TRANSMIT_DROPS_TOTAL: Final = "kvpressure_net_transmit_drops_total"
+NET_TCP_RETRANSMITTED_SEGMENTS_TOTAL: Final = "kvpressure_net_tcp_retransmitted_segments_total"
+MEMORY_TIER_BYTES: Final = "kvpressure_memory_tier_bytes"
+GPU_UP: Final = "kvpressure_gpu_up"
+GPU_INFO: Final = "kvpressure_gpu_info"
+GPU_MEMORY_TOTAL_BYTES: Final = "kvpressure_gpu_memory_total_bytes"
+GPU_MEMORY_USED_BYTES: Final = "kvpressure_gpu_memory_used_bytes"
+GPU_MEMORY_RESERVED_BYTES: Final = "kvpressure_gpu_memory_reserved_bytes"
+GPU_MEMORY_FREE_BYTES: Final = "kvpressure_gpu_memory_free_bytes"
+GPU_UTILIZATION_RATIO: Final = "kvpressure_gpu_utilization_ratio"
+GPU_MEMORY_BANDWIDTH_UTILIZATION_RATIO: Final = "kvpressure_gpu_memory_bandwidth_utilization_ratio"
+GPU_SM_OCCUPANCY_RATIO: Final = "kvpressure_gpu_sm_occupancy_ratio"
+GPU_PCIE_BYTES_TOTAL: Final = "kvpressure_gpu_pcie_bytes_total"
+GPU_NVLINK_BYTES_TOTAL: Final = "kvpressure_gpu_nvlink_bytes_total"
+GPU_CLOCK_EVENT_ACTIVE: Final = "kvpressure_gpu_clock_event_active"
+GPU_POWER_WATTS: Final = "kvpressure_gpu_power_watts"
+GPU_TEMPERATURE_CELSIUS: Final = "kvpressure_gpu_temperature_celsius"
+GPU_PROCESS_MEMORY_BYTES: Final = "kvpressure_gpu_process_memory_bytes"
+GPU_VALUES_DROPPED_TOTAL: Final = "kvpressure_gpu_values_dropped_total"
+GPU_ENGINE_DISAGREEMENT: Final = "kvpressure_gpu_engine_disagreement"
+GPU_UNIFIED_MEMORY_AVAILABLE_BYTES: Final = "kvpressure_gpu_unified_memory_available_bytes"
+GPU_XID_ERRORS_TOTAL: Final = "kvpressure_gpu_xid_errors_total"
+ACCELERATOR_STALL_SECONDS_TOTAL: Final = "kvpressure_accelerator_stall_seconds_total"
+DATA_MOVEMENT_BYTES_PER_TOKEN: Final = "kvpressure_data_movement_bytes_per_token"  # noqa: S105
+TOKENS_PER_BYTE: Final = "kvpressure_tokens_per_byte"
+ENGINE_UP: Final = "kvpressure_engine_up"
+ENGINE_INFO: Final = "kvpressure_engine_info"
+ENGINE_POD_INFO: Final = "kvpressure_engine_pod_info"
+ENGINE_SCRAPE_SAMPLES: Final = "kvpressure_engine_scrape_samples"
+ENGINE_PARSE_ERRORS_TOTAL: Final = "kvpressure_engine_parse_errors_total"
+ENGINE_RESTARTS_TOTAL: Final = "kvpressure_engine_restarts_total"
+ENGINE_SERIES_MERGED_TOTAL: Final = "kvpressure_engine_series_merged_total"
+ENGINE_MODELS_DROPPED: Final = "kvpressure_engine_models_dropped"
+ENGINE_LABEL_VALUES_DROPPED_TOTAL: Final = "kvpressure_engine_label_values_dropped_total"
+ENGINE_GPU_MEMORY_USED_BYTES: Final = "kvpressure_engine_gpu_memory_used_bytes"
+ENGINE_GPU_MEMORY_TOTAL_BYTES: Final = "kvpressure_engine_gpu_memory_total_bytes"
+ENGINE_COUNTERS_WITHHELD: Final = "kvpressure_engine_counters_withheld"
+ENGINE_STATS_STALE: Final = "kvpressure_engine_stats_stale"
+ENGINE_KV_CACHE_USAGE_RATIO: Final = "kvpressure_engine_kv_cache_usage_ratio"
+ENGINE_KV_CACHE_USED_TOKENS: Final = "kvpressure_engine_kv_cache_used_tokens"
+ENGINE_KV_CACHE_CAPACITY_TOKENS: Final = "kvpressure_engine_kv_cache_capacity_tokens"
+ENGINE_SLOTS: Final = "kvpressure_engine_slots"
+ENGINE_REQUESTS_RUNNING: Final = "kvpressure_engine_requests_running"
+ENGINE_REQUESTS_WAITING: Final = "kvpressure_engine_requests_waiting"
+ENGINE_PREEMPTIONS_TOTAL: Final = "kvpressure_engine_preemptions_total"
+ENGINE_PREFIX_CACHE_QUERIED_TOKENS_TOTAL: Final = (
+    "kvpressure_engine_prefix_cache_queried_tokens_total"
+)
+ENGINE_PREFIX_CACHE_HIT_TOKENS_TOTAL: Final = "kvpressure_engine_prefix_cache_hit_tokens_total"
+ENGINE_PROMPT_TOKENS_TOTAL: Final = "kvpressure_engine_prompt_tokens_total"
+ENGINE_GENERATION_TOKENS_TOTAL: Final = "kvpressure_engine_generation_tokens_total"
+ENGINE_PROMPT_SECONDS_TOTAL: Final = "kvpressure_engine_prompt_seconds_total"
+ENGINE_GENERATION_SECONDS_TOTAL: Final = "kvpressure_engine_generation_seconds_total"
+ENGINE_REQUESTS_WAITING_BY_REASON: Final = "kvpressure_engine_requests_waiting_by_reason"
+ENGINE_REQUESTS_PAUSED: Final = "kvpressure_engine_requests_paused"
+ENGINE_REQUESTS_REJECTED_TOTAL: Final = "kvpressure_engine_requests_rejected_total"
+ENGINE_REQUESTS_COMPLETED_TOTAL: Final = "kvpressure_engine_requests_completed_total"
+ENGINE_EXTERNAL_PREFIX_CACHE_QUERIED_TOKENS_TOTAL: Final = (
+    "kvpressure_engine_external_prefix_cache_queried_tokens_total"
+)
+ENGINE_EXTERNAL_PREFIX_CACHE_HIT_TOKENS_TOTAL: Final = (
+    "kvpressure_engine_external_prefix_cache_hit_tokens_total"
+)
+ENGINE_PREFIX_CACHE_HIT_RATIO: Final = "kvpressure_engine_prefix_cache_hit_ratio"
+ENGINE_PREFIX_CACHE_TIER_HIT_TOKENS_TOTAL: Final = (
+    "kvpressure_engine_prefix_cache_tier_hit_tokens_total"
+)
+ENGINE_KV_CACHE_EVICTABLE_TOKENS: Final = "kvpressure_engine_kv_cache_evictable_tokens"
+ENGINE_KV_CACHE_FREE_TOKENS: Final = "kvpressure_engine_kv_cache_free_tokens"
+ENGINE_KV_CACHE_BLOCK_SIZE_TOKENS: Final = "kvpressure_engine_kv_cache_block_size_tokens"
+ENGINE_KV_CACHE_BLOCKS: Final = "kvpressure_engine_kv_cache_blocks"
+ENGINE_KV_CACHE_CAPACITY_BYTES: Final = "kvpressure_engine_kv_cache_capacity_bytes"
+ENGINE_KV_CACHE_MAX_CONCURRENCY: Final = "kvpressure_engine_kv_cache_max_concurrency"
+ENGINE_KV_TIER_USAGE_RATIO: Final = "kvpressure_engine_kv_tier_usage_ratio"
+ENGINE_KV_TIER_HIT_RATIO: Final = "kvpressure_engine_kv_tier_hit_ratio"
+ENGINE_KV_OFFLOAD_BYTES_TOTAL: Final = "kvpressure_engine_kv_offload_bytes_total"
+ENGINE_KV_OFFLOAD_BLOCKS_TOTAL: Final = "kvpressure_engine_kv_offload_blocks_total"
+ENGINE_KV_OFFLOAD_TOKENS_TOTAL: Final = "kvpressure_engine_kv_offload_tokens_total"
+ENGINE_KV_TIER_EVICTIONS_TOTAL: Final = "kvpressure_engine_kv_tier_evictions_total"
+ENGINE_BATCH_MAX_TOKENS: Final = "kvpressure_engine_batch_max_tokens"
+ENGINE_LATENCY_SECONDS: Final = "kvpressure_engine_latency_seconds"
+ENGINE_LATENCY_WINDOW_OBSERVATIONS: Final = "kvpressure_engine_latency_window_observations"
+ENGINE_REQUEST_LATENCY_SECONDS: Final = "kvpressure_engine_request_latency_seconds"
+ENGINE_KV_BLOCK_RESIDENCY_SECONDS: Final = "kvpressure_engine_kv_block_residency_seconds"
+ENGINE_KV_BLOCK_RESIDENCY_WINDOW_OBSERVATIONS: Final = (
+    "kvpressure_engine_kv_block_residency_window_observations"
+)
+ENGINE_REQUEST_DURATION_SECONDS_TOTAL: Final = "kvpressure_engine_request_duration_seconds_total"
+REQUEST_LATENCY_SECONDS: Final = "kvpressure_request_latency_seconds"
+REQUESTS_TOTAL: Final = "kvpressure_requests_total"
+REQUEST_TOKENS_TOTAL: Final = "kvpressure_request_tokens_total"
+PROXY_UPSTREAM_CONNECT_SECONDS: Final = "kvpressure_proxy_upstream_connect_seconds"
+REQUEST_RECORDS_DROPPED_TOTAL: Final = "kvpressure_request_records_dropped_total"
+OTLP_REQUESTS_TOTAL: Final = "kvpressure_otlp_requests_total"
+OTLP_SPANS_RECEIVED_TOTAL: Final = "kvpressure_otlp_spans_received_total"
+OTLP_SPAN_ATTRIBUTES_DROPPED_TOTAL: Final = "kvpressure_otlp_span_attributes_dropped_total"
+KV_BYTES_PER_TOKEN: Final = "kvpressure_kv_bytes_per_token"  # noqa: S105
+KV_HEADROOM_TOKENS: Final = "kvpressure_kv_headroom_tokens"
+KV_HEADROOM_BYTES: Final = "kvpressure_kv_headroom_bytes"
+KV_REQUEST_TOKENS: Final = "kvpressure_kv_request_tokens"
+KV_SATURATION_CONCURRENCY: Final = "kvpressure_kv_saturation_concurrency"
+KV_TIME_TO_SATURATION_SECONDS: Final = "kvpressure_kv_time_to_saturation_seconds"
+KV_OCCUPANCY_LATENCY_SECONDS: Final = "kvpressure_kv_occupancy_latency_seconds"
+PREFIX_CACHE_SAVED_SECONDS_TOTAL: Final = "kvpressure_prefix_cache_saved_seconds_total"
+SLOW_REQUESTS_TOTAL: Final = "kvpressure_slow_requests_total"
+ATTRIBUTION_SCORE: Final = "kvpressure_attribution_score"
+ATTRIBUTION_PENDING_RECORDS: Final = "kvpressure_attribution_pending_records"
+ATTRIBUTION_DROPPED_RECORDS_TOTAL: Final = "kvpressure_attribution_dropped_records_total"
+OTLP_EXPORTED_TOTAL: Final = "kvpressure_otlp_exported_total"
+OTLP_EXPORT_DROPPED_TOTAL: Final = "kvpressure_otlp_export_dropped_total"
+OTLP_EXPORT_QUEUE_SPANS: Final = "kvpressure_otlp_export_queue_spans"
+SampleName = Literal[
+    "kvpressure_build_info",
+    "kvpressure_sampler_up",
+    "kvpressure_sampler_duration_seconds",
+    "kvpressure_sampler_failures_total",
+    "kvpressure_source_up",
+    "kvpressure_source_unsupported",
+    "kvpressure_timeline_series",
+    "kvpressure_timeline_dropped_samples_total",
+    "kvpressure_timeline_evicted_series_total",
+    "kvpressure_exporter_unknown_samples_total",
+    "kvpressure_config_reloads_total",
+    "kvpressure_host_memory_total_bytes",
+    "kvpressure_host_memory_available_bytes",
+    "kvpressure_host_meminfo_total_bytes",
+    "kvpressure_host_meminfo_available_bytes",
+    "kvpressure_host_cgroup_memory_limit_bytes",
+    "kvpressure_host_cgroup_memory_used_bytes",
+    "kvpressure_host_swap_total_bytes",
+    "kvpressure_host_swap_used_bytes",
+    "kvpressure_host_major_page_faults_total",
+    "kvpressure_host_swap_in_pages_total",
+    "kvpressure_host_swap_out_pages_total",
+    "kvpressure_host_allocstalls_total",
+    "kvpressure_psi_stall_seconds_total",
+    "kvpressure_psi_avg10_ratio",
+    "kvpressure_cgroup_memory_used_bytes",
+    "kvpressure_cgroup_memory_limit_bytes",
+    "kvpressure_cgroup_memory_events_total",
+    "kvpressure_disk_read_bytes_total",
+    "kvpressure_disk_written_bytes_total",
+    "kvpressure_disk_reads_completed_total",
+    "kvpressure_disk_writes_completed_total",
+    "kvpressure_disk_io_time_seconds_total",
+    "kvpressure_disk_io_time_weighted_seconds_total",
+    "kvpressure_net_receive_bytes_total",
+    "kvpressure_net_transmit_bytes_total",
+    "kvpressure_net_receive_errors_total",
+    "kvpressure_net_transmit_errors_total",
+    "kvpressure_net_receive_drops_total",
+    "kvpressure_net_transmit_drops_total",
+    "kvpressure_net_tcp_retransmitted_segments_total",
+    "kvpressure_memory_tier_bytes",
+    "kvpressure_gpu_up",
+    "kvpressure_gpu_info",
+    "kvpressure_gpu_memory_total_bytes",
+    "kvpressure_gpu_memory_used_bytes",
+    "kvpressure_gpu_memory_reserved_bytes",
+    "kvpressure_gpu_memory_free_bytes",
+    "kvpressure_gpu_utilization_ratio",
+    "kvpressure_gpu_memory_bandwidth_utilization_ratio",
+    "kvpressure_gpu_sm_occupancy_ratio",
+    "kvpressure_gpu_pcie_bytes_total",
+    "kvpressure_gpu_nvlink_bytes_total",
+    "kvpressure_gpu_clock_event_active",
+    "kvpressure_gpu_power_watts",
+    "kvpressure_gpu_temperature_celsius",
+    "kvpressure_gpu_process_memory_bytes",
+    "kvpressure_gpu_values_dropped_total",
+    "kvpressure_gpu_engine_disagreement",
+    "kvpressure_gpu_unified_memory_available_bytes",
+    "kvpressure_gpu_xid_errors_total",
+    "kvpressure_accelerator_stall_seconds_total",
+    "kvpressure_data_movement_bytes_per_token",
+    "kvpressure_tokens_per_byte",
+    "kvpressure_engine_up",
+    "kvpressure_engine_info",
+    "kvpressure_engine_pod_info",
+    "kvpressure_engine_scrape_samples",
+    "kvpressure_engine_parse_errors_total",
+    "kvpressure_engine_restarts_total",
+    "kvpressure_engine_series_merged_total",
+    "kvpressure_engine_models_dropped",
+    "kvpressure_engine_label_values_dropped_total",
+    "kvpressure_engine_gpu_memory_used_bytes",
+    "kvpressure_engine_gpu_memory_total_bytes",
+    "kvpressure_engine_counters_withheld",
+    "kvpressure_engine_stats_stale",
+    "kvpressure_engine_kv_cache_usage_ratio",
+    "kvpressure_engine_kv_cache_used_tokens",
+    "kvpressure_engine_kv_cache_capacity_tokens",
+    "kvpressure_engine_slots",
+    "kvpressure_engine_requests_running",
+    "kvpressure_engine_requests_waiting",
+    "kvpressure_engine_preemptions_total",
+    "kvpressure_engine_prefix_cache_queried_tokens_total",
+    "kvpressure_engine_prefix_cache_hit_tokens_total",
+    "kvpressure_engine_prompt_tokens_total",
+    "kvpressure_engine_generation_tokens_total",
+    "kvpressure_engine_prompt_seconds_total",
+    "kvpressure_engine_generation_seconds_total",
+    "kvpressure_engine_requests_waiting_by_reason",
+    "kvpressure_engine_requests_paused",
+    "kvpressure_engine_requests_rejected_total",
+    "kvpressure_engine_requests_completed_total",
+    "kvpressure_engine_external_prefix_cache_queried_tokens_total",
+    "kvpressure_engine_external_prefix_cache_hit_tokens_total",
+    "kvpressure_engine_prefix_cache_hit_ratio",
+    "kvpressure_engine_prefix_cache_tier_hit_tokens_total",
+    "kvpressure_engine_kv_cache_evictable_tokens",
+    "kvpressure_engine_kv_cache_free_tokens",
+    "kvpressure_engine_kv_cache_block_size_tokens",
+    "kvpressure_engine_kv_cache_blocks",
+    "kvpressure_engine_kv_cache_capacity_bytes",
+    "kvpressure_engine_kv_cache_max_concurrency",
+    "kvpressure_engine_kv_tier_usage_ratio",
+    "kvpressure_engine_kv_tier_hit_ratio",
+    "kvpressure_engine_kv_offload_bytes_total",
+    "kvpressure_engine_kv_offload_blocks_total",
+    "kvpressure_engine_kv_offload_tokens_total",
+    "kvpressure_engine_kv_tier_evictions_total",
+    "kvpressure_engine_batch_max_tokens",
+    "kvpressure_engine_latency_seconds",
+    "kvpressure_engine_latency_window_observations",
+    "kvpressure_engine_request_latency_seconds_bucket",
+    "kvpressure_engine_request_latency_seconds_count",
+    "kvpressure_engine_request_latency_seconds_sum",
+    "kvpressure_engine_kv_block_residency_seconds",
+    "kvpressure_engine_kv_block_residency_window_observations",
+    "kvpressure_engine_request_duration_seconds_total",
+    "kvpressure_request_latency_seconds_bucket",
+    "kvpressure_request_latency_seconds_count",
+    "kvpressure_request_latency_seconds_sum",
+    "kvpressure_requests_total",
+    "kvpressure_request_tokens_total",
+    "kvpressure_proxy_upstream_connect_seconds_bucket",
+    "kvpressure_proxy_upstream_connect_seconds_count",
+    "kvpressure_proxy_upstream_connect_seconds_sum",
+    "kvpressure_request_records_dropped_total",
+    "kvpressure_otlp_requests_total",
+    "kvpressure_otlp_spans_received_total",
+    "kvpressure_otlp_span_attributes_dropped_total",
+    "kvpressure_kv_bytes_per_token",
+    "kvpressure_kv_headroom_tokens",
+    "kvpressure_kv_headroom_bytes",
+    "kvpressure_kv_request_tokens",
+    "kvpressure_kv_saturation_concurrency",
+    "kvpressure_kv_time_to_saturation_seconds",
+    "kvpressure_kv_occupancy_latency_seconds_bucket",
+    "kvpressure_kv_occupancy_latency_seconds_count",
+    "kvpressure_kv_occupancy_latency_seconds_sum",
+    "kvpressure_prefix_cache_saved_seconds_total",
+    "kvpressure_slow_requests_total",
+    "kvpressure_attribution_score",
+    "kvpressure_attribution_pending_records",
+    "kvpressure_attribution_dropped_records_total",
+    "kvpressure_otlp_exported_total",
+    "kvpressure_otlp_export_dropped_total",
+    "kvpressure_otlp_export_queue_spans",
+]
+"""A sample's name: a catalogue metric, or a histogram's ``_bucket``/``_count``/``_sum``."""
 
 if __name__ == "__main__":  # python -m agent.catalogue README.md
     import sys

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
+import logging
 import os
 import re
 import stat
 from collections.abc import Mapping
 from importlib import resources
 from pathlib import Path
-from typing import Annotated, Any, Final, Literal
+from typing import Annotated, Any, Final, Literal, get_args
 from urllib.parse import urlsplit
 
 import yaml
@@ -33,13 +34,17 @@ from pydantic import (
     model_validator,
 )
 
+log = logging.getLogger(__name__)
+
 MAX_CONFIG_BYTES: Final = 1024 * 1024
 """A config file larger than this (1 MiB; the shipped one is ~1.5 KiB) is refused unread."""
 
-ENGINE_TYPES = ("auto", "vllm", "sglang", "llamacpp", "tgi", "trtllm", "triton", "lmcache", "kvbm")
 EngineType = Literal[
     "auto", "vllm", "sglang", "llamacpp", "tgi", "trtllm", "triton", "lmcache", "kvbm"
 ]
+"""``auto`` and the keys of :data:`agent.samplers.engines.ENGINE_TYPES` (a test keeps them
+equal: a new engine type is its mapping module, one line in the registry and one here)."""
+ENGINE_TYPES: tuple[str, ...] = get_args(EngineType)
 
 _DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(ms|s|m|h)?\s*$")
 _UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
@@ -86,12 +91,24 @@ class HostSamplerConfig(SamplerToggle):
 
 
 class SamplersConfig(_Model):
-    """Which samplers run."""
+    """Which stages run: one ``enabled``/``interval_s`` switch per registered stage.
+
+    The keys are the names in the pipeline registry (:mod:`agent.pipeline`; a test keeps them
+    equal). ``interval_s`` defaults to the global ``interval_s``; ``accelerator`` runs right
+    after each GPU report whatever its interval.
+    """
 
     host: HostSamplerConfig = HostSamplerConfig()
-    engines: SamplerToggle = SamplerToggle()
     gpu: SamplerToggle = SamplerToggle()
+    engines: SamplerToggle = SamplerToggle()
+    accelerator: SamplerToggle = SamplerToggle()
+    requests: SamplerToggle = SamplerToggle()
     capacity: SamplerToggle = SamplerToggle()
+    attribution: SamplerToggle = SamplerToggle()
+
+
+DEPRECATED_SWITCHES: Final = {("attribution", "enabled"): ("samplers", "attribution", "enabled")}
+"""Old switches still read (with a warning): ``attribution.enabled``."""
 
 
 class GpuConfig(_Model):
@@ -275,7 +292,6 @@ class AttributionConfig(_Model):
     (``agent/attribution/detector.py``).
 
     Attributes:
-        enabled: run the ``attribution`` sampler.
         slo_ttft_s: TTFT objective, seconds.
         slo_e2e_s: end-to-end objective for requests without a TTFT, seconds.
         slo_tpot_s: time-per-output-token objective (decode seconds per token after the
@@ -298,7 +314,6 @@ class AttributionConfig(_Model):
             in ``agent/attribution/rules.py`` and the README).
     """
 
-    enabled: bool = True
     slo_ttft_s: Seconds = Field(default=2.0, gt=0, le=3600)
     slo_e2e_s: Seconds = Field(default=30.0, gt=0, le=86400)
     slo_tpot_s: Seconds = Field(default=0.5, gt=0, le=3600)
@@ -316,19 +331,6 @@ class AttributionConfig(_Model):
     recent_requests: int = Field(default=20000, ge=100, le=10_000_000)
     recent_attributions: int = Field(default=5000, ge=10, le=1_000_000)
     thresholds: dict[str, tuple[float, float]] = {}
-
-    @field_validator("thresholds")
-    @classmethod
-    def _known_rules(cls, v: dict[str, tuple[float, float]]) -> dict[str, tuple[float, float]]:
-        from agent.attribution.rules import RULES_BY_NAME
-
-        for name, (thr, sat) in v.items():
-            if name not in RULES_BY_NAME:
-                known = ", ".join(sorted(RULES_BY_NAME))
-                raise ValueError(f"unknown rule {name!r}; expected one of {known}")
-            if thr == sat:
-                raise ValueError(f"{name}: threshold and saturation must differ")
-        return v
 
 
 class OtlpExportConfig(_Model):
@@ -376,12 +378,8 @@ class CapacityModelConfig(_Model):
 
     @field_validator("kv_dtype")
     @classmethod
-    def _check_dtype(cls, v: str) -> str:
-        from agent.capacity.kvbytes import DTYPE_BYTES
-
-        if v.lower() != "auto" and v.lower() not in DTYPE_BYTES:
-            raise ValueError(f"expected auto or one of {', '.join(sorted(DTYPE_BYTES))}")
-        return v.lower()
+    def _lower_dtype(cls, v: str) -> str:
+        return v.lower()  # known names are checked by the capacity stage (pipeline check)
 
 
 class CapacityConfig(_Model):
@@ -419,6 +417,31 @@ class Config(_Model):
     capacity: CapacityConfig = CapacityConfig()
     attribution: AttributionConfig = AttributionConfig()
     otlp_export: OtlpExportConfig = OtlpExportConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _deprecated_switches(cls, data: Any) -> Any:
+        """Move ``attribution.enabled`` to ``samplers.attribution.enabled``, with a warning."""
+        if not isinstance(data, dict):
+            return data
+        for (section, key), (top, stage, new) in DEPRECATED_SWITCHES.items():
+            sec = data.get(section)
+            if not isinstance(sec, dict) or key not in sec:
+                continue
+            sec = dict(sec)
+            value = sec.pop(key)
+            samplers = dict(data.get(top) or {}) if isinstance(data.get(top), dict) else {}
+            toggle = samplers.get(stage)
+            toggle = dict(toggle) if isinstance(toggle, dict) else {}
+            if new in toggle:
+                log.warning("%s.%s is deprecated and ignored: %s.%s.%s is set",
+                            section, key, top, stage, new)  # fmt: skip
+            else:
+                log.warning("%s.%s is deprecated; use %s.%s.%s", section, key, top, stage, new)
+                toggle[new] = value
+            samplers[stage] = toggle
+            data = {**data, section: sec, top: samplers}
+        return data
 
     @field_validator("listen")
     @classmethod
@@ -539,12 +562,28 @@ def parse(text: str, source: str = "<string>") -> Config:
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: (top level): expected a mapping of settings")
     try:
-        return Config.model_validate(data)
+        return _validate(data, source)
+    except RecursionError:
+        raise ConfigError(f"{source}: (top level): nested too deeply") from None
+
+
+def _validate(data: Any, source: str) -> Config:
+    """Validate ``data`` as a :class:`Config`, then run the stages' own checks.
+
+    Raises:
+        ConfigError: one line per problem, ``<source>: <field path>: <message>``.
+    """
+    try:
+        cfg = Config.model_validate(data)
     except ValidationError as exc:
         lines = [f"{source}: {_loc(e['loc'])}: {_expected(e)}" for e in exc.errors()]
         raise ConfigError("\n".join(lines)) from None
-    except RecursionError:
-        raise ConfigError(f"{source}: (top level): nested too deeply") from None
+    from agent.pipeline import check_config  # the registry, not the stages, is imported
+
+    problems = check_config(cfg)
+    if problems:
+        raise ConfigError("\n".join(f"{source}: {path}: {msg}" for path, msg in problems))
+    return cfg
 
 
 def read_text(path: str | Path, max_bytes: int = MAX_CONFIG_BYTES) -> str:
@@ -656,11 +695,7 @@ def with_overrides(cfg: Config, overrides: Mapping[str, Any], source: str = "<st
     """
     data = cfg.model_dump()
     data.update(overrides)
-    try:
-        return Config.model_validate(data)
-    except ValidationError as exc:
-        lines = [f"{source}: {_loc(e['loc'])}: {_expected(e)}" for e in exc.errors()]
-        raise ConfigError("\n".join(lines)) from None
+    return _validate(data, source)
 
 
 def default_text() -> str:

@@ -22,9 +22,14 @@ need another source (the kubelet pod-resources socket, see :mod:`agent.podresour
 from __future__ import annotations
 
 import re
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final, Literal
+
+from agent.samples import Labels
 
 Runtime = Literal["containerd", "cri-o", "docker"]
 
@@ -124,3 +129,174 @@ def pod_of_pid(pid: int, procfs: Path = Path("/proc")) -> PodRef | None:
     except OSError:
         return None
     return pod_of_cgroup(text)
+
+
+POD_LABELS: Final = ("pod_uid", "namespace", "pod", "container")
+"""The pod labels an engine's series carry when its pod is known (see :class:`EnginePods`)."""
+
+PodNames = Callable[[str], tuple[str | None, str | None, str | None] | None]
+"""``pod_uid -> (namespace, pod, container)`` (each ``None`` when not known), or ``None``."""
+
+
+class EnginePods:
+    """Which pod each engine runs in, from the PID listening on the engine's port.
+
+    An engine's pod labels (``pod_uid``, and ``namespace``/``pod``/``container`` where a
+    name source knows them) for its series, as dcgm-exporter labels a GPU's series with the
+    pod it is assigned to. Sources: ``engine_pids()`` (the PID listening on each loopback
+    engine's port, the daemon's ``psutil`` scan), that PID's ``/proc/PID/cgroup``
+    (:func:`pod_of_pid`), and ``names(pod_uid)`` (the kubelet's names, as the GPU sampler
+    learned them from the pod-resources socket for that pod's GPU processes).
+
+    Label sets stay bounded and steady: at most one per engine, a pod's labels are kept
+    while no other PID answers on the engine's port (an engine that is down or restarting
+    keeps its series), and replaced when another process (a new pod) does. An engine not on
+    loopback, whose PID is not in a pod (a host process) or cannot be read, has none.
+
+    The scan runs in the thread of the engine sampler that found it due, outside the lock:
+    the other engines' samplers go on with the labels already known, never waiting for it.
+
+    Args:
+        engine_pids: ``() -> {pid: engine name}``; may raise (the last answer is kept).
+        procfs: the proc filesystem the PIDs live in (the host's, with ``hostPID``).
+        names: the pod-name source, or ``None`` (``pod_uid`` only).
+        refresh_s: seconds between ``engine_pids()`` calls; an engine first asked for after
+            the last call triggers one early call (not sooner than ``retry_s`` after it).
+        retry_s: seconds between lookups of names not yet known, and the early-call floor.
+        clock: monotonic clock (tests).
+    """
+
+    MAX_ENGINES: Final = 1024
+
+    def __init__(
+        self,
+        engine_pids: Callable[[], Mapping[int, str]],
+        procfs: Path = Path("/proc"),
+        names: PodNames | None = None,
+        refresh_s: float = 30.0,
+        retry_s: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._engine_pids = engine_pids
+        self._procfs = procfs
+        self._names = names
+        self._refresh_s = refresh_s
+        self._retry_s = retry_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._refreshed: float | None = None
+        self._scanning = False
+        self._pending: set[str] = set()  # asked for, not yet in an engine_pids() answer
+        self._settled: set[str] = set()  # considered by an engine_pids() answer
+        self._pods: dict[str, tuple[int, PodRef | None]] = {}
+        self._labels: dict[str, dict[str, str]] = {}
+        self._names_tried: dict[str, float] = {}
+        self.errors = 0
+        """``engine_pids()`` or ``names()`` calls that raised (cumulative)."""
+
+    def labels(self, engine: str) -> dict[str, str]:
+        """The pod labels of ``engine``'s series.
+
+        Args:
+            engine: the engine's configured name (its ``engine`` label).
+
+        Returns:
+            ``{"pod_uid": ..., "namespace": ..., "pod": ..., "container": ...}`` with only
+            the known ones, ``{}`` when the engine's pod is not known. Never raises.
+        """
+        with self._lock:
+            now = self._clock()
+            due = self._refreshed is None or now - self._refreshed >= self._refresh_s
+            if engine not in self._settled and len(self._settled) < self.MAX_ENGINES:
+                self._pending.add(engine)  # no engine_pids() answer has considered it yet
+                if self._refreshed is not None and now - self._refreshed >= self._retry_s:
+                    due = True
+            scan = due and not self._scanning
+            if scan:
+                # one caller scans, outside the lock; the others go on with what is known
+                self._scanning = True
+                self._refreshed = now
+                self._settled |= self._pending
+                self._pending.clear()
+        if scan:
+            try:
+                pids: dict[int, str] | None = dict(self._engine_pids())
+            except Exception:  # noqa: BLE001 - a failing source keeps the last answer
+                pids = None
+            with self._lock:
+                self._scanning = False
+                if pids is None:
+                    self.errors += 1
+                else:
+                    self._apply(pids)
+        with self._lock:
+            out = self._labels.get(engine)
+            if out is None:
+                return {}
+            if self._names is not None and len(out) == 1:
+                tried = self._names_tried.get(engine)
+                if tried is None or now - tried >= self._retry_s:
+                    self._names_tried[engine] = now
+                    out = self._labels[engine] = self._with_names(out["pod_uid"])
+            return dict(out)
+
+    def _apply(self, pids: dict[int, str]) -> None:
+        """Take one ``engine_pids()`` answer: each listed engine's PID and pod."""
+        for pid, engine in pids.items():
+            known = self._pods.get(engine)
+            if known is not None and known[0] == pid:
+                continue
+            if known is None and len(self._pods) >= self.MAX_ENGINES:
+                continue
+            ref = pod_of_pid(pid, self._procfs)
+            self._pods[engine] = (pid, ref)
+            prev = self._labels.get(engine)
+            if ref is None:
+                self._labels.pop(engine, None)
+            elif prev is None or prev["pod_uid"] != ref.pod_uid:  # same pod: names stay
+                self._labels[engine] = {"pod_uid": ref.pod_uid}
+                self._names_tried.pop(engine, None)
+
+    def _with_names(self, pod_uid: str) -> dict[str, str]:
+        out = {"pod_uid": pod_uid}
+        if self._names is None:
+            return out
+        try:
+            found = self._names(pod_uid)
+        except Exception:  # noqa: BLE001 - names are optional: pod_uid stays
+            self.errors += 1
+            return out
+        for key, value in zip(("namespace", "pod", "container"), found or (), strict=False):
+            if value:
+                out[key] = value
+        return out
+
+
+def names_from_process_rows(
+    rows: Iterable[Labels], pod_uid: str
+) -> tuple[str | None, str | None, str | None] | None:
+    """The names the GPU sampler gave a pod's processes, for :class:`EnginePods`.
+
+    Args:
+        rows: label sets of ``kvpressure_gpu_process_memory_bytes`` (the GPU sampler's
+            latest batch: ``namespace``/``pod``/``container`` from the kubelet's
+            pod-resources socket).
+        pod_uid: the pod asked for.
+
+    Returns:
+        ``(namespace, pod, container)``: ``container`` is ``None`` when the pod's rows name
+        more than one container (which one listens is not known); ``None`` when no row of
+        that pod has names, or rows disagree on the pod's namespace or name.
+    """
+    found: set[tuple[str, str]] = set()
+    containers: set[str | None] = set()
+    for labels in rows:
+        d = dict(labels)
+        if d.get("pod_uid") != pod_uid or "pod" not in d or "namespace" not in d:
+            continue
+        found.add((d["namespace"], d["pod"]))
+        containers.add(d.get("container"))
+    if len(found) != 1:
+        return None
+    ((namespace, pod),) = found
+    return namespace, pod, containers.pop() if len(containers) == 1 else None

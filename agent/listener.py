@@ -264,6 +264,36 @@ class BoundedSite(web.TCPSite):
         return int(sockets[0].getsockname()[1]) if sockets else int(self._port or 0)
 
 
+async def start_site(
+    app: web.Application,
+    host: str,
+    port: int,
+    cap: ConnectionCap,
+    ssl_context: ssl.SSLContext | None = None,
+) -> tuple[web.AppRunner, int]:
+    """Serve ``app`` on ``host:port`` behind ``cap``; returns the runner and the bound port.
+
+    Raises:
+        OSError: the address cannot be bound (nothing is left running).
+    """
+    runner = web.AppRunner(
+        app,
+        access_log=None,
+        handle_signals=False,
+        shutdown_timeout=0.5,
+        keepalive_timeout=IDLE_TIMEOUT_S,
+        logger=ServerLog(cap.name),
+    )
+    await runner.setup()
+    site = BoundedSite(runner, host, port, cap, ssl_context)
+    try:
+        await site.start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    return runner, site.port
+
+
 def install_accept_error_handler(loop: asyncio.AbstractEventLoop) -> None:
     """Log the loop's accept errors (EMFILE, ENFILE, ENOBUFS) once per period with a count.
 

@@ -126,3 +126,39 @@ class RateLimitedLog:
                 self._pending.pop(oldest, None)
         self._logger.log(level, msg, *args, extra={"kv": {**(kv or {}), "count": count}})
         return True
+
+
+class LogOnce:
+    """Log a message once per key, e.g. "PSI unsupported", instead of every cycle.
+
+    Thread-safe; :meth:`reset` re-arms a key when the condition clears so a later
+    recurrence is logged again. At most ``max_keys`` keys are remembered (the oldest is
+    forgotten first, and may then be logged once more), so keys built from values that
+    churn cannot grow memory without bound.
+    """
+
+    def __init__(self, logger: logging.Logger, max_keys: int = 1024) -> None:
+        self._logger = logger
+        self._seen: dict[str, None] = {}
+        self._max_keys = max_keys
+        self._lock = threading.Lock()
+
+    def __call__(self, key: str, level: int, msg: str, *args: object) -> bool:
+        """Log ``msg % args`` at ``level`` unless ``key`` was logged already.
+
+        Returns:
+            True when the message was logged now.
+        """
+        with self._lock:
+            if key in self._seen:
+                return False
+            self._seen[key] = None
+            if len(self._seen) > self._max_keys:
+                del self._seen[next(iter(self._seen))]
+        self._logger.log(level, msg, *args)
+        return True
+
+    def reset(self, key: str) -> None:
+        """Forget ``key`` so its next occurrence is logged again."""
+        with self._lock:
+            self._seen.pop(key, None)

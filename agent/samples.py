@@ -11,6 +11,10 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from agent.catalogue import SampleName
 
 Labels = tuple[tuple[str, str], ...]
 """Label pairs sorted by label name, e.g. ``(("engine", "vllm"), ("instance", "h:8000"))``."""
@@ -44,6 +48,10 @@ class Sample:
     labels: Labels = ()
 
 
+SourceState = Literal["ok", "error", "unsupported"]
+"""A source's health in one cycle (:class:`SourceStatus`)."""
+
+
 @dataclass(frozen=True, slots=True)
 class SourceStatus:
     """Health of one data source inside a sampler (one /proc file, one HTTP endpoint).
@@ -57,7 +65,7 @@ class SourceStatus:
     """
 
     source: str
-    state: str
+    state: SourceState
     reason: str = ""
 
 
@@ -73,7 +81,7 @@ class Batch:
     samples: list[Sample] = field(default_factory=list)
     sources: list[SourceStatus] = field(default_factory=list)
 
-    def add(self, name: str, value: float | int | None, /, **labels: str | None) -> None:
+    def add(self, name: SampleName, value: float | int | None, /, **labels: str | None) -> None:
         """Append a sample unless ``value`` is missing.
 
         Args:

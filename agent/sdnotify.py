@@ -9,10 +9,12 @@ is unset or names this process.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import socket
 import time
+from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 
@@ -85,3 +87,23 @@ class Notifier:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+
+    async def keepalive(self, all_stuck: Callable[[], bool], status: Callable[[], str]) -> None:
+        """Send WATCHDOG=1 at half of WatchdogSec, and a STATUS= line every 10 s (forever).
+
+        The ping is skipped while ``all_stuck()`` (every sampler timed out), so systemd
+        restarts an agent whose samplers are all wedged (a hung driver call) rather than one
+        that is merely busy. Returns at once outside systemd.
+        """
+        if not self.enabled:
+            return
+        interval = self.watchdog_interval_s or 10.0
+        last_status = 0.0
+        while True:
+            if self.watchdog_interval_s and not all_stuck():
+                self.watchdog()
+            now = time.monotonic()
+            if now - last_status >= 10.0:
+                self.status(status())
+                last_status = now
+            await asyncio.sleep(min(interval, 10.0))

@@ -8,16 +8,19 @@ never linger: vanished label sets disappear from the exposition by themselves.
 
 from __future__ import annotations
 
+import logging
 import platform
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from agent import __version__
 from agent.samples import Batch, Labels, Sample, SourceStatus, make_labels
 from agent.timeline import Timeline
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +64,32 @@ class AgentState:
         self._reports: dict[str, SamplerReport] = {}
         self._lock = threading.Lock()
         self._c = _Counters()
+        self._health: dict[str, Callable[[], Iterable[Sample]]] = {}
+        self._listeners: list[Callable[[SamplerReport], None]] = []
+
+    def add_health(self, name: str, samples: Callable[[], Iterable[Sample]]) -> None:
+        """Render ``samples()`` with the agent's own metrics (an exporter's health).
+
+        Exporters are not samplers: they report their counters through this, read on every
+        render. A provider that raises is skipped for that render.
+        """
+        with self._lock:
+            self._health[name] = samples
+
+    def remove_health(self, name: str) -> None:
+        """Stop rendering the health samples registered as ``name``."""
+        with self._lock:
+            self._health.pop(name, None)
+
+    def on_publish(self, listener: Callable[[SamplerReport], None]) -> None:
+        """Call ``listener(report)`` after each :meth:`publish` (the scheduler's trigger)."""
+        with self._lock:
+            self._listeners.append(listener)
+
+    def report(self, sampler: str) -> SamplerReport | None:
+        """The latest report of ``sampler``, or ``None``."""
+        with self._lock:
+            return self._reports.get(sampler)
 
     def publish(self, report: SamplerReport) -> None:
         """Store ``report`` as its sampler's latest and append its samples to the timeline."""
@@ -70,6 +99,10 @@ class AgentState:
                 self._c.failures[(report.sampler, report.reason or "error")] += 1
         if report.ok and report.batch is not None:
             self.timeline.append(report.ts, report.batch.samples)
+        with self._lock:
+            listeners = list(self._listeners)
+        for listener in listeners:
+            listener(report)
 
     def remove(self, sampler: str) -> None:
         """Forget a sampler that was stopped (removed engine, reload)."""
@@ -153,6 +186,15 @@ class AgentState:
                 make_labels({"reason": reason}),
             )
         yield Sample("kvpressure_exporter_unknown_samples_total", float(unknown))
+        with self._lock:
+            health = list(self._health.values())
+        for provider in health:
+            try:
+                got = list(provider())
+            except Exception:  # an exporter's bug must not break rendering
+                log.exception("health samples failed")
+                continue
+            yield from got
 
 
 _RANK = {"ok": 0, "unsupported": 1, "error": 2}

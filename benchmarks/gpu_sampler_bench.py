@@ -1,12 +1,13 @@
 """CPU cost of the GPU sampler on the fake NVML binding: 8 GPUs at 10 Hz for ~20 s.
 
 Runs :class:`agent.samplers.gpu.GpuSampler` on ``fake:h100-sxm`` (8x H100, every field
-supported, GPM, 18 NVLink links each, one engine process per GPU) with a synthetic engine
-feeding request gauges and token counters, so every code path (stall time, data movement,
-the process join) runs each cycle. It prints the process CPU seconds per cycle (all threads,
-``time.process_time``) and the CPU % of one core, and the same without the fake's own call
-time (measured per call with ``time.thread_time``), which stands in for NVML's own time that
-the issue's target excludes.
+supported, GPM, 18 NVLink links each, one engine process per GPU) and, after each cycle, the
+``accelerator`` stage it triggers (:class:`agent.samplers.accelerator.AcceleratorSampler`) with
+a synthetic engine feeding request gauges and token counters, so every code path (stall time,
+data movement, the process join) runs each cycle. It prints the process CPU seconds per cycle
+(all threads, ``time.process_time``) and the CPU % of one core, and the same without the fake's
+own call time (measured per call with ``time.thread_time``), which stands in for NVML's own time
+that the issue's target excludes.
 
 Usage::
 
@@ -25,6 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from agent.samplers import nvml_binding as nb
+from agent.samplers.accelerator import AcceleratorSampler
 from agent.samplers.fake_nvml import FakeNvml
 from agent.samplers.gpu import GpuSampler
 from agent.samples import Batch, Labels, make_labels
@@ -110,13 +112,19 @@ def run(seconds: float, hz: float, gpus: int, profile: str, inline: bool) -> dic
     sampler = GpuSampler(
         binding,
         interval_s=1.0 / hz,
-        state_view=engines.view,
         engine_pids=lambda: pids,
         gpu_timeout_s=0 if inline else None,
     )
-    warm = Batch()
-    sampler.collect(warm)  # init and discovery are not part of the steady state
-    sampler.collect(Batch())
+    accelerator = AcceleratorSampler(lambda: None, engines.view, gpu_interval_s=1.0 / hz)
+
+    def cycle() -> Batch:
+        b = Batch()
+        sampler.collect(b)
+        b.samples.extend(accelerator.derive(time.monotonic(), b.samples, b.sources))
+        return b
+
+    cycle()  # init and discovery are not part of the steady state
+    cycle()
     timed.cpu_s = 0.0
     timed.calls = 0
     period = 1.0 / hz
@@ -126,8 +134,7 @@ def run(seconds: float, hz: float, gpus: int, profile: str, inline: bool) -> dic
     cpu0 = time.process_time()
     next_t = wall0
     while time.monotonic() - wall0 < seconds:
-        b = Batch()
-        sampler.collect(b)
+        b = cycle()
         samples += len(b.samples)
         cycles += 1
         next_t += period

@@ -77,7 +77,6 @@ from opentelemetry.util.types import AttributeValue
 from agent import __version__
 from agent.attribution.model import Attribution
 from agent.catalogue import CATALOGUE
-from agent.samplers.base import Sampler
 from agent.samples import Batch, Sample
 from agent.state import AgentState
 
@@ -560,8 +559,14 @@ class OtlpExport:
         """Emit ``attribution``'s span (the ``SpanSink`` interface)."""
         self.spans.emit(attribution)
 
-    def add_samples(self, batch: Batch) -> None:
-        """Add the exporter's own metrics to ``batch``."""
+    def health_samples(self) -> list[Sample]:
+        """The exporter's own metrics (its health), rendered with the agent's.
+
+        The daemon registers this with :meth:`agent.state.AgentState.add_health`: the
+        exporter is not a sampler. ``kvpressure_otlp_exported_total{signal}``,
+        ``kvpressure_otlp_export_dropped_total{signal}``, ``kvpressure_otlp_export_queue_spans``.
+        """
+        batch = Batch()
         exported, dropped = self.stats.snapshot()
         for signal in ("traces", "metrics"):
             if signal == "metrics" and self.metrics is None:
@@ -569,6 +574,7 @@ class OtlpExport:
             batch.add("kvpressure_otlp_exported_total", exported.get(signal, 0), signal=signal)
             batch.add("kvpressure_otlp_export_dropped_total", dropped.get(signal, 0), signal=signal)
         batch.add("kvpressure_otlp_export_queue_spans", self.processor.queued())
+        return batch.samples
 
     def shutdown(self, timeout_s: float = 1.0) -> None:
         """Stop exporting; pending spans get one last flush attempt within ``timeout_s``.
@@ -598,22 +604,3 @@ class OtlpExport:
                 "OTLP export did not finish at stop; queued spans dropped",
                 extra={"kv": {"spans": left, "timeout_s": timeout_s}},
             )
-
-
-class OtlpExportSampler(Sampler):
-    """Publishes the OTLP exporter's own counters as the ``otlp-export`` sampler.
-
-    Args:
-        export: the exporter whose counters are reported.
-        interval_s: seconds between cycles.
-    """
-
-    name = "otlp-export"
-
-    def __init__(self, export: OtlpExport, interval_s: float = 1.0) -> None:
-        super().__init__(interval_s)
-        self.export = export
-
-    def collect(self, batch: Batch) -> None:
-        """Add exported/dropped counts and the span queue length."""
-        self.export.add_samples(batch)

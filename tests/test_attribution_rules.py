@@ -48,8 +48,11 @@ class Synth:
         return Signals.from_points(self.points)
 
 
-def scope(record: RequestRecord | None = None,
+def scope(record: RequestRecord | tuple | None = None,
           neighbours: tuple[RequestRecord, ...] = ()) -> Scope:  # fmt: skip
+    """The case scope; ``record`` may be ``(record, neighbours)``."""
+    if isinstance(record, tuple):
+        record, neighbours = record
     return Scope(ENG, T + 10, T + 14, 2.0, record, neighbours)
 
 
@@ -61,10 +64,7 @@ def rec(**kw: object) -> RequestRecord:
 
 def run(s: Synth, record: RequestRecord | tuple | None = None, params: Params | None = None):
     """Evaluate; ``record`` may be ``(record, neighbours)``."""
-    neighbours: tuple[RequestRecord, ...] = ()
-    if isinstance(record, tuple):
-        record, neighbours = record
-    return evaluate(s.signals(), scope(record, neighbours), params or Params())
+    return evaluate(s.signals(), scope(record), params or Params())
 
 
 def ev(evidence, signal):

@@ -402,13 +402,12 @@ def test_capacity_config_section_and_daemon_wiring():
     with pytest.raises(ConfigError, match=r"capacity\.engines\.vllm\.kv_dtype: expected auto"):
         parse("capacity: {engines: {vllm: {model: x, kv_dtype: int3}}}", "f.yaml")
     d = Daemon(cfg)
-    _spec, factory = d._desired(cfg)["capacity"]
-    smp = factory()
+    smp = d.plans(cfg)["capacity"].plan.build()
     assert isinstance(smp, CapacitySampler) and smp.window_s == 30
     assert smp.models["vllm"] == ModelSource("/m/config.json", "fp8")
     assert "capacity" in d.request_stream.dropped()  # subscribed: the knee from requests
     off = parse("samplers: {capacity: {enabled: false}}")
-    assert "capacity" not in Daemon(off)._desired(off)
+    assert "capacity" not in Daemon(off).plans(off)
 
 
 def test_llamacpp_model_path_from_props_when_the_alias_is_a_bare_name(tmp_path, monkeypatch):

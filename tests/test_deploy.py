@@ -7,8 +7,10 @@
 * ``deploy/kvpressure.yaml`` and the Kubernetes ConfigMap pass ``kvpressure check-config``.
 * Core Kubernetes objects validate against the Kubernetes JSON schemas
   (``kubernetes-validate``, strict); the Prometheus-Operator ``PodMonitor`` and
-  ``PrometheusRule`` (CRDs, no bundled schema) are checked structurally, and the
-  PrometheusRule must equal ``deploy/prometheus/kvpressure-rules.yml``.
+  ``PrometheusRule`` validate against the operator's own CRDs (v0.93.0, vendored in
+  tests/fixtures/crds/, through tests/k8s_crd.py: unknown fields rejected, ObjectMeta
+  checked), are checked structurally, and the PrometheusRule must equal
+  ``deploy/prometheus/kvpressure-rules.yml``.
 """
 
 import os
@@ -18,6 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jsonpatch
 import kubernetes_validate
 import pytest
 import yaml
@@ -207,6 +210,24 @@ def test_core_objects_validate_against_kubernetes_schemas(name, version):
     kubernetes_validate.validate(CORE[name], version, strict=True)
 
 
+CRD_FILES = {
+    "PodMonitor": "monitoring.coreos.com_podmonitors.yaml",
+    "PrometheusRule": "monitoring.coreos.com_prometheusrules.yaml",
+}
+
+
+@pytest.mark.parametrize("name", sorted(set(OBJECTS) - set(CORE) - {"Kustomization/kustomization"}))
+def test_custom_resources_validate_against_their_crds(name):
+    from k8s_crd import load_crd
+
+    obj = OBJECTS[name]
+    crd = load_crd(CRD_FILES[obj["kind"]])
+    assert crd.errors(obj) == []
+    # the CRD is strict where it should be: a misspelt field is refused, not pruned
+    bad = {**obj, "spec": {**obj["spec"], "podMetricEndpoints": []}}
+    assert any("'podMetricEndpoints' was unexpected" in e for e in crd.errors(bad))
+
+
 def test_manifest_set_is_complete_and_listed_in_kustomization():
     kinds = {k.split("/")[0] for k in OBJECTS}
     assert {"Namespace", "ServiceAccount", "ConfigMap", "DaemonSet", "Service"} <= kinds
@@ -259,6 +280,86 @@ def test_daemonset_is_non_root_with_limits_and_gpu_via_runtime():
     assert "utility" in env["NVIDIA_DRIVER_CAPABILITIES"]
     assert pod["runtimeClassName"] == "nvidia"
     assert pod["automountServiceAccountToken"] is False
+
+
+POD_RESOURCES = DEPLOY / "kubernetes-pod-resources"
+
+
+def pod_resources_variant() -> dict[str, dict]:
+    """The objects of deploy/kubernetes-pod-resources/, its JSON patches applied in Python.
+
+    The kustomization takes ``../kubernetes`` whole and patches two of its objects
+    (RFC 6902, applied with ``jsonpatch``); what ``kubectl kustomize`` renders is compared
+    with this where kubectl is installed.
+    """
+    kust = yaml.safe_load((POD_RESOURCES / "kustomization.yaml").read_text(encoding="utf-8"))
+    assert kust["resources"] == ["../kubernetes"]
+    out = {k: v for k, v in OBJECTS.items() if k != "Kustomization/kustomization"}
+    for patch in kust["patches"]:
+        name = f"{patch['target']['kind']}/{patch['target']['name']}"
+        ops = yaml.safe_load((POD_RESOURCES / patch["path"]).read_text(encoding="utf-8"))
+        out[name] = jsonpatch.apply_patch(out[name], ops)
+    return out
+
+
+def test_pod_resources_variant_mounts_the_socket_and_runs_as_uid_0_without_capabilities():
+    variant = pod_resources_variant()
+    ds = variant["DaemonSet/kvpressure"]
+    for version in K8S_VERSIONS:
+        kubernetes_validate.validate(ds, version, strict=True)
+    pod = ds["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    mounts = {m["name"]: m for m in c["volumeMounts"]}
+    host = {v["hostPath"]["path"]: v["name"] for v in pod["volumes"] if "hostPath" in v}
+    assert set(host) == {"/proc", "/sys", "/var/lib/kubelet/pod-resources"}
+    assert all(mounts[n]["readOnly"] is True for n in host.values())
+    # the config's socket lies in the mounted directory
+    text = variant["ConfigMap/kvpressure-config"]["data"]["kvpressure.yaml"]
+    socket = parse(text, "variant").gpu.pod_resources_socket
+    mount = mounts[host["/var/lib/kubelet/pod-resources"]]["mountPath"]
+    assert socket == f"{mount}/kubelet.sock"
+    # uid 0 (the socket is root's, no write bit for others), and nothing more than that
+    assert pod["securityContext"]["runAsUser"] == 0
+    sc = c["securityContext"]
+    assert sc["capabilities"] == {"drop": ["ALL"]}
+    assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"] is True
+    assert "privileged" not in sc
+    # only what the variant is about differs from the default DaemonSet and ConfigMap
+    base = OBJECTS["DaemonSet/kvpressure"]
+    diff = {op["path"] for op in jsonpatch.make_patch(base, ds)}
+    assert diff == {
+        "/spec/template/spec/securityContext/runAsNonRoot",
+        "/spec/template/spec/securityContext/runAsUser",
+        "/spec/template/spec/containers/0/securityContext/runAsNonRoot",
+        "/spec/template/spec/volumes/5",
+        "/spec/template/spec/containers/0/volumeMounts/5",
+    }
+    base_cfg = yaml.safe_load(OBJECTS["ConfigMap/kvpressure-config"]["data"]["kvpressure.yaml"])
+    assert yaml.safe_load(text) == {
+        **base_cfg,
+        "gpu": {**base_cfg["gpu"], "pod_resources_socket": socket},
+    }
+    for name, obj in variant.items():
+        if name in CORE:
+            for version in K8S_VERSIONS:
+                kubernetes_validate.validate(obj, version, strict=True)
+
+
+def test_pod_resources_variant_is_what_kubectl_kustomize_renders():
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl not installed (the variant is still checked in Python above)")
+    res = subprocess.run(
+        [kubectl, "kustomize", str(POD_RESOURCES)],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    rendered = {
+        f"{d['kind']}/{d['metadata']['name']}": d for d in yaml.safe_load_all(res.stdout) if d
+    }
+    assert rendered == pod_resources_variant()
 
 
 def test_configmap_config_passes_check_config_and_matches_ports(tmp_path):

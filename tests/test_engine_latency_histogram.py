@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent.requests.histograms import (
+from agent.histograms import (
     GENAI_REQUEST_DURATION_BOUNDS_S,
     GENAI_TPOT_BOUNDS_S,
     GENAI_TTFT_BOUNDS_S,

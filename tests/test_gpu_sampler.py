@@ -18,8 +18,9 @@ from prometheus_client.registry import CollectorRegistry
 
 from agent.catalogue import CATALOGUE
 from agent.samplers import nvml_binding as nb
+from agent.samplers.accelerator import AcceleratorSampler, StallThresholds, stall_reason
 from agent.samplers.fake_nvml import MIB, FakeNvml, list_profiles, load_profile
-from agent.samplers.gpu import GpuSampler, StallThresholds, stall_reason
+from agent.samplers.gpu import GpuSampler
 from agent.samples import Batch, make_labels
 from agent.state import AgentState, SamplerReport
 from agent.timeline import Timeline
@@ -76,14 +77,37 @@ class Engines:
         return dict(self.series.get(name, {}))
 
 
-def make(profile, clock=None, fake_opts=None, **kw):
+class WithAccelerator:
+    """The GPU source and the accelerator stage it triggers, as one daemon tick runs them.
+
+    ``collect`` reads the GPUs, then derives stall time and data movement from that report
+    (taken at the fake clock's time) and the engines' view; attribute access goes to the GPU
+    sampler.
+    """
+
+    def __init__(self, gpu, accelerator, clock):
+        self.gpu = gpu
+        self.accelerator = accelerator
+        self.clock = clock
+
+    def collect(self, batch):
+        now = self.clock()
+        self.gpu.collect(batch)
+        batch.samples.extend(self.accelerator.derive(now, list(batch.samples), batch.sources))
+
+    def __getattr__(self, name):
+        return getattr(self.gpu, name)
+
+
+def make(profile, clock=None, fake_opts=None, state_view=None, thresholds=None, **kw):
     clock = clock or Clock()
     spec = profile if isinstance(profile, dict) else load_profile(profile)
     fake = FakeNvml(spec, clock=clock, **(fake_opts or {}))
     binding = nb.NvmlBinding(fake, f"fake:{spec.get('profile', 'custom')}")
     kw.setdefault("timeout_s", 10.0)
     sampler = GpuSampler(binding, interval_s=1.0, clock=clock, **kw)
-    return sampler, fake, clock
+    accelerator = AcceleratorSampler(lambda: None, state_view, thresholds, gpu_interval_s=1.0)
+    return WithAccelerator(sampler, accelerator, clock), fake, clock
 
 
 def collect(sampler) -> Batch:
@@ -597,7 +621,7 @@ def test_thresholds_from_a_config_like_object():
 
     th = StallThresholds.of(Cfg(), memory_bound_sm_below=0.25)
     assert th == StallThresholds(0.05, 0.7, 0.25, 10.0)
-    s = GpuSampler("fake:h200", thresholds=Cfg())
+    s = AcceleratorSampler(lambda: None, None, thresholds=Cfg())
     assert s.thresholds.idle_utilization_below == 0.05
 
 

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agent.requests.histograms import (
+from agent.histograms import (
     HistogramSnapshot,
     WindowedHistogram,
     histogram_quantile,

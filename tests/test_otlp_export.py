@@ -37,7 +37,6 @@ from agent.timeline import Timeline
 from exporters.otlp import (
     SPAN_NAME,
     OtlpExport,
-    OtlpExportSampler,
     snapshot_metrics,
     span_attributes,
 )
@@ -219,9 +218,7 @@ def test_failed_metric_export_is_counted_as_dropped_points():
                      metric_exporter=failing)  # fmt: skip
     try:
         assert exp.metrics is not None and not exp.metrics.export_once()
-        b = Batch()
-        OtlpExportSampler(exp).collect(b)
-        got = {(s.name, s.labels): s.value for s in b.samples}
+        got = {(s.name, s.labels): s.value for s in exp.health_samples()}
         dropped = got[("kvpressure_otlp_export_dropped_total", (("signal", "metrics"),))]
         assert dropped >= 3 and failing.calls == 1
     finally:
@@ -338,9 +335,7 @@ def test_exporter_down_costs_a_bounded_queue_and_a_dropped_counter():
         # queue overflow + failed batches; the overflow check races the export worker, so a
         # span popped for export right as the queue was full can be counted once too often
         assert 292 - 8 <= dropped["traces"] <= 305
-        b = Batch()
-        OtlpExportSampler(exp).collect(b)
-        got = {(s.name, s.labels): s.value for s in b.samples}
+        got = {(s.name, s.labels): s.value for s in exp.health_samples()}
         assert got[("kvpressure_otlp_export_dropped_total", (("signal", "traces"),))] >= 284
         assert ("kvpressure_otlp_export_queue_spans", ()) in got
     finally:

@@ -44,13 +44,17 @@ def test_histogram_buckets_are_cumulative_with_le_semantics() -> None:
     for v in (0.05, 0.1, 0.5, 1.0, 3.0, -1.0, float("nan"), float("inf")):
         h.observe(v)
     b = Batch()
-    h.emit(b, "x", phase="ttft")
+    h.emit(b, "kvpressure_request_latency_seconds", phase="ttft")
     s = samples(b)
-    assert s[key("x_bucket", le="0.1", phase="ttft")] == 2  # 0.05 and 0.1 (le is inclusive)
-    assert s[key("x_bucket", le="1.0", phase="ttft")] == 4
-    assert s[key("x_bucket", le="+Inf", phase="ttft")] == 5
-    assert s[key("x_count", phase="ttft")] == 5
-    assert s[key("x_sum", phase="ttft")] == pytest.approx(4.65)
+    with pytest.raises(KeyError):  # only catalogued histograms: a typo is not exported
+        h.emit(Batch(), "x", phase="ttft")
+    assert (
+        s[key("kvpressure_request_latency_seconds_bucket", le="0.1", phase="ttft")] == 2
+    )  # 0.05 and 0.1 (le is inclusive)
+    assert s[key("kvpressure_request_latency_seconds_bucket", le="1.0", phase="ttft")] == 4
+    assert s[key("kvpressure_request_latency_seconds_bucket", le="+Inf", phase="ttft")] == 5
+    assert s[key("kvpressure_request_latency_seconds_count", phase="ttft")] == 5
+    assert s[key("kvpressure_request_latency_seconds_sum", phase="ttft")] == pytest.approx(4.65)
 
 
 def test_records_become_histograms_and_counters() -> None:

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from agent.attribution.detector import SlowDetector
@@ -18,9 +19,10 @@ from agent.attribution.engine import Attributor
 from agent.attribution.rules import Params
 from agent.attribution.sampler import AttributionSampler, SpanSink
 from agent.attribution.store import AttributionStore
+from agent.pipeline import Context, Plan, Stage, register
 
 if TYPE_CHECKING:
-    from agent.config import AttributionConfig
+    from agent.config import AttributionConfig, Config
     from agent.requests.record import RequestStream
     from agent.timeline import Timeline
 
@@ -71,3 +73,37 @@ def make_sampler(
         window_s=cfg.window_s,
         span_sink=span_sink,
     )
+
+
+def _check(config: Config) -> Iterator[tuple[str, str]]:
+    """``attribution.thresholds`` names known rules, each with threshold != saturation."""
+    from agent.attribution.rules import RULES_BY_NAME
+
+    for name, (thr, sat) in config.attribution.thresholds.items():
+        if name not in RULES_BY_NAME:
+            known = ", ".join(sorted(RULES_BY_NAME))
+            yield "attribution.thresholds", f"unknown rule {name!r}; expected one of {known}"
+        elif thr == sat:
+            yield "attribution.thresholds", f"{name}: threshold and saturation must differ"
+
+
+@register(
+    "attribution",
+    Stage.DERIVED,
+    "names the cause of each slow request and window from the timeline",
+    check=_check,
+)
+def _plan(ctx: Context) -> list[Plan]:
+    cfg = ctx.config
+    acfg = cfg.attribution
+    interval = ctx.interval_s("attribution")
+    sources = [cfg.interval_s, cfg.samplers.host.interval_s, cfg.samplers.engines.interval_s]
+    settle = acfg.settle_s if acfg.settle_s is not None else 2 * max(i or 0 for i in sources)
+
+    def build() -> AttributionSampler:
+        return make_sampler(
+            acfg, ctx.requests, ctx.state.timeline, ctx.attributions,
+            interval_s=interval, settle_s=settle, span_sink=ctx.span_sink,
+        )  # fmt: skip
+
+    return [Plan("attribution", ("attribution", acfg, settle, interval, id(ctx.span_sink)), build)]

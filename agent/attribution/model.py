@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 CAUSES: tuple[str, ...] = (
     "memory",
@@ -60,6 +60,19 @@ EVENT_CAUSES: tuple[str, ...] = ("gpu_fault", "engine_restart")
 
 ALL_CAUSES: tuple[str, ...] = CAUSES + EVENT_CAUSES
 """Every cause that has a score."""
+
+Cause = Literal[
+    "memory",
+    "storage",
+    "network",
+    "concurrency",
+    "prefill_interference",
+    "compute",
+    "gpu_fault",
+    "engine_restart",
+]
+"""A scored cause, as a type (a rule's ``cause``); ``tests/test_pipeline.py`` keeps it equal
+to :data:`ALL_CAUSES`."""
 
 UNKNOWN = "unknown"
 """The primary cause when no cause scored at least ``min_score``."""

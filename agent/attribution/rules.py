@@ -141,7 +141,7 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from agent.attribution.model import ENGINE_METRICS, ENGINE_METRICS_STALE, Evidence
+from agent.attribution.model import ENGINE_METRICS, ENGINE_METRICS_STALE, Cause, Evidence
 from agent.attribution.signals import Signals
 from agent.requests.record import RequestRecord
 
@@ -233,6 +233,27 @@ class Params:
 
 Measure = Callable[[Signals, Scope, Params], Measurement | None]
 
+_READS: dict[Measure, tuple[str, ...]] = {}
+
+
+def reads(*metrics: str) -> Callable[[Measure], Measure]:
+    """Declare the timeline metrics a rule's measure reads (decorator).
+
+    :data:`METRICS_READ`, the metrics the attribution sampler loads from the timeline, is
+    built from these declarations, so a rule cannot read a metric that is never loaded (it
+    would silently never fire in production). ``tests/test_attribution_rules.py`` checks
+    each rule reads nothing else and fires through :meth:`Signals.from_timeline`.
+
+    Args:
+        *metrics: catalogue metric names; none for a rule that reads only the request.
+    """
+
+    def mark(fn: Measure) -> Measure:
+        _READS[fn] = metrics
+        return fn
+
+    return mark
+
 
 @dataclass(frozen=True, slots=True)
 class RuleSpec:
@@ -250,13 +271,25 @@ class RuleSpec:
     """
 
     name: str
-    cause: str
+    cause: Cause
     weight: float
     threshold: float
     saturation: float
     unit: str
     doc: str
     measure: Measure
+
+    @property
+    def reads(self) -> tuple[str, ...]:
+        """The metrics the rule reads (declared with :func:`reads` on its measure).
+
+        Raises:
+            TypeError: the measure declares nothing.
+        """
+        got = _READS.get(self.measure)
+        if got is None:
+            raise TypeError(f"rule {self.name!r}: declare its metrics with @reads(...)")
+        return got
 
 
 def ramp(value: float, threshold: float, saturation: float) -> float:
@@ -282,6 +315,14 @@ PSI_AVG10 = "kvpressure_psi_avg10_ratio"
 CGROUP_USED = "kvpressure_cgroup_memory_used_bytes"
 CGROUP_LIMIT = "kvpressure_cgroup_memory_limit_bytes"
 CGROUP_EVENTS = "kvpressure_cgroup_memory_events_total"
+GPU_PROCESSES = "kvpressure_gpu_process_memory_bytes"
+"""Read by :func:`gpu_filter` (the engine's GPUs): every GPU rule declares it."""
+NET_ERRORS = (
+    "kvpressure_net_receive_errors_total",
+    "kvpressure_net_transmit_errors_total",
+    "kvpressure_net_receive_drops_total",
+    "kvpressure_net_transmit_drops_total",
+)
 
 
 def engine_match(sc: Scope) -> dict[str, str]:
@@ -338,10 +379,7 @@ def psi_rate(
 
 def gpu_filter(sig: Signals, sc: Scope) -> Callable[[Mapping[str, str]], bool]:
     """Predicate over GPU series labels: the engine's GPUs where known, else every GPU."""
-    gpus = {
-        s.labels.get("gpu")
-        for s in sig.series("kvpressure_gpu_process_memory_bytes", engine_match(sc))
-    }
+    gpus = {s.labels.get("gpu") for s in sig.series(GPU_PROCESSES, engine_match(sc))}
     gpus.discard(None)
     if not gpus:
         return lambda _labels: True
@@ -349,6 +387,15 @@ def gpu_filter(sig: Signals, sc: Scope) -> Callable[[Mapping[str, str]], bool]:
 
 
 # --- memory -------------------------------------------------------------------------------
+
+
+QUEUE_GAUGES = (
+    "kvpressure_engine_requests_waiting",
+    "kvpressure_engine_slots",
+    "kvpressure_engine_requests_running",
+    "kvpressure_engine_kv_cache_usage_ratio",
+)
+"""The engine gauges the queue rules join on sample time."""
 
 
 def _queue_samples(
@@ -372,6 +419,7 @@ def _queue_samples(
     return waiting, total, busy, running, kv, kv_full
 
 
+@reads(*QUEUE_GAUGES)
 def _queue_while_full(sig: Signals, sc: Scope, p: Params) -> Measurement | None:
     waiting, _, _, _, kv, kv_full = _queue_samples(sig, sc, p)
     if not waiting:
@@ -380,6 +428,7 @@ def _queue_while_full(sig: Signals, sc: Scope, p: Params) -> Measurement | None:
     return Measurement(hits / len(waiting), "kvpressure_engine_requests_waiting")
 
 
+@reads(*QUEUE_GAUGES)
 def _queue_at_cap(sig: Signals, sc: Scope, p: Params) -> Measurement | None:
     waiting, total, busy, running, kv, kv_full = _queue_samples(sig, sc, p)
     if not waiting:
@@ -423,6 +472,7 @@ def uncached_tokens(r: RequestRecord) -> int | None:
     return max(0, r.input_tokens - (r.cached_tokens or 0))
 
 
+@reads()
 def _prefill_interference(sig: Signals, sc: Scope, p: Params) -> Measurement | None:
     r = sc.record
     if r is None or sc.end <= sc.start:
@@ -454,17 +504,23 @@ def _prefill_interference(sig: Signals, sc: Scope, p: Params) -> Measurement | N
     return Measurement(covered / (sc.end - sc.start), "record.prefill_overlap", labels)
 
 
+@reads("kvpressure_engine_kv_cache_usage_ratio")
 def _kv_cache_usage(sig: Signals, sc: Scope, p: Params) -> Measurement | None:
     v = sig.gauge_max("kvpressure_engine_kv_cache_usage_ratio", sc.a, sc.b, engine_match(sc))
     return None if v is None else Measurement(v, "kvpressure_engine_kv_cache_usage_ratio")
 
 
+@reads("kvpressure_engine_preemptions_total")
 def _preemptions(sig: Signals, sc: Scope, p: Params) -> Measurement | None:
     name = "kvpressure_engine_preemptions_total"
     v = sig.counter_increase(name, sc.a, sc.b, engine_match(sc))
     return None if v is None else Measurement(v, name)
 
 
+@reads(
+    "kvpressure_engine_prefix_cache_queried_tokens_total",
+    "kvpressure_engine_prefix_cache_hit_tokens_total",
+)
 def _prefix_cache_collapse(sig: Signals, sc: Scope, p: Params) -> Measurement | None:
     m = engine_match(sc)
     q_name = "kvpressure_engine_prefix_cache_queried_tokens_total"
@@ -485,6 +541,7 @@ def _prefix_cache_collapse(sig: Signals, sc: Scope, p: Params) -> Measurement | 
     return Measurement(max(0.0, (base - now) / base), h_name)
 
 
+@reads(GPU_PROCESSES, "kvpressure_gpu_memory_total_bytes", "kvpressure_gpu_memory_used_bytes")
 def _gpu_memory_headroom(sig: Signals, sc: Scope, p: Params) -> Measurement | None:
     keep = gpu_filter(sig, sc)
     worst: Measurement | None = None
@@ -502,6 +559,7 @@ def _gpu_memory_headroom(sig: Signals, sc: Scope, p: Params) -> Measurement | No
 
 
 def _psi(resource: str, kind: str) -> Measure:
+    @reads(PSI, PSI_AVG10)
     def measure(sig: Signals, sc: Scope, p: Params) -> Measurement | None:
         got = psi_rate(sig, sc, resource, kind)
         return None if got is None else Measurement(got[0], PSI, got[1])
@@ -510,6 +568,7 @@ def _psi(resource: str, kind: str) -> Measure:
 
 
 def _host_rate(name: str) -> Measure:
+    @reads(name)
     def measure(sig: Signals, sc: Scope, p: Params) -> Measurement | None:
         v = sig.counter_rate(name, sc.a, sc.b)
         return None if v is None else Measurement(v, name)
@@ -517,6 +576,7 @@ def _host_rate(name: str) -> Measure:
     return measure
 
 
+@reads("kvpressure_host_memory_total_bytes", "kvpressure_host_memory_available_bytes")
 def _memory_available(sig: Signals, sc: Scope, p: Params) -> Measurement | None:
     total = sig.gauge_min("kvpressure_host_memory_total_bytes", sc.a, sc.b)
     avail = sig.gauge_min("kvpressure_host_memory_available_bytes", sc.a, sc.b)
@@ -525,6 +585,7 @@ def _memory_available(sig: Signals, sc: Scope, p: Params) -> Measurement | None:
     return Measurement(avail / total, "kvpressure_host_memory_available_bytes")
 
 
+@reads(CGROUP_USED, CGROUP_LIMIT)
 def _cgroup_memory_headroom(sig: Signals, sc: Scope, p: Params) -> Measurement | None:
     scope = {"scope": sc.engine}
     used = sig.gauge_by_time(CGROUP_USED, sc.a, sc.b, scope)
@@ -538,6 +599,7 @@ def _cgroup_memory_headroom(sig: Signals, sc: Scope, p: Params) -> Measurement |
     return Measurement(max(0.0, min(ratios)), CGROUP_USED, scope)
 
 
+@reads(CGROUP_EVENTS)
 def _cgroup_memory_limit_hits(sig: Signals, sc: Scope, p: Params) -> Measurement | None:
     rates = [
         r
@@ -550,6 +612,7 @@ def _cgroup_memory_limit_hits(sig: Signals, sc: Scope, p: Params) -> Measurement
     return Measurement(sum(rates), CGROUP_EVENTS, {"scope": sc.engine})
 
 
+@reads()
 def _kv_exhausted(sig: Signals, sc: Scope, p: Params) -> Measurement | None:
     if sc.record is None:
         return None
@@ -560,6 +623,7 @@ def _kv_exhausted(sig: Signals, sc: Scope, p: Params) -> Measurement | None:
 
 
 def _disk_rate_max(name: str) -> Measure:
+    @reads(name)
     def measure(sig: Signals, sc: Scope, p: Params) -> Measurement | None:
         got = sig.counter_rate_max(name, sc.a, sc.b)
         if got is None:
@@ -572,20 +636,17 @@ def _disk_rate_max(name: str) -> Measure:
 # --- network ------------------------------------------------------------------------------
 
 
+@reads(*NET_ERRORS)
 def _net_errors(sig: Signals, sc: Scope, p: Params) -> Measurement | None:
     total: float | None = None
-    for name in (
-        "kvpressure_net_receive_errors_total",
-        "kvpressure_net_transmit_errors_total",
-        "kvpressure_net_receive_drops_total",
-        "kvpressure_net_transmit_drops_total",
-    ):
+    for name in NET_ERRORS:
         r = sig.counter_rate(name, sc.a, sc.b)
         if r is not None:
             total = r if total is None else total + r
     return None if total is None else Measurement(total, "kvpressure_net_*_errors|drops_total")
 
 
+@reads()
 def _upstream_connect(sig: Signals, sc: Scope, p: Params) -> Measurement | None:
     r = sc.record
     if r is None or r.upstream_connect_s is None:
@@ -593,6 +654,7 @@ def _upstream_connect(sig: Signals, sc: Scope, p: Params) -> Measurement | None:
     return Measurement(r.upstream_connect_s, "record.upstream_connect_s")
 
 
+@reads("kvpressure_engine_requests_waiting")
 def _transport_gap(sig: Signals, sc: Scope, p: Params) -> Measurement | None:
     r = sc.record
     if r is None or r.ttft_s is None or r.prefill_s is None:
@@ -609,6 +671,7 @@ def _transport_gap(sig: Signals, sc: Scope, p: Params) -> Measurement | None:
 # --- compute ------------------------------------------------------------------------------
 
 
+@reads(GPU_PROCESSES, "kvpressure_gpu_utilization_ratio")
 def _gpu_utilization(sig: Signals, sc: Scope, p: Params) -> Measurement | None:
     keep = gpu_filter(sig, sc)
     best: Measurement | None = None
@@ -625,6 +688,7 @@ def _gpu_utilization(sig: Signals, sc: Scope, p: Params) -> Measurement | None:
     return best
 
 
+@reads(GPU_PROCESSES, "kvpressure_gpu_clock_event_active")
 def _gpu_throttle(sig: Signals, sc: Scope, p: Params) -> Measurement | None:
     keep = gpu_filter(sig, sc)
     times: dict[float, bool] = {}
@@ -646,6 +710,7 @@ def _gpu_throttle(sig: Signals, sc: Scope, p: Params) -> Measurement | None:
     )
 
 
+@reads(GPU_PROCESSES, "kvpressure_accelerator_stall_seconds_total")
 def _accelerator_stall(sig: Signals, sc: Scope, p: Params) -> Measurement | None:
     keep = gpu_filter(sig, sc)
     name = "kvpressure_accelerator_stall_seconds_total"
@@ -681,6 +746,7 @@ def last_restart(sig: Signals, engine: str, a: float, b: float) -> float | None:
     return max(times) if times else None
 
 
+@reads("kvpressure_engine_restarts_total")
 def _engine_restart(sig: Signals, sc: Scope, p: Params) -> Measurement | None:
     if not sig.has("kvpressure_engine_restarts_total", engine_match(sc)):
         return None
@@ -690,6 +756,7 @@ def _engine_restart(sig: Signals, sc: Scope, p: Params) -> Measurement | None:
     return Measurement(max(0.0, sc.start - t), "kvpressure_engine_restarts_total")
 
 
+@reads(GPU_PROCESSES, "kvpressure_gpu_xid_errors_total", "kvpressure_gpu_up")
 def _gpu_fault(sig: Signals, sc: Scope, p: Params) -> Measurement | None:
     keep = gpu_filter(sig, sc)
     seen = False
@@ -820,44 +887,12 @@ RESIDUAL_EXPLAINED_BY = frozenset(
 """Causes that explain a TTFT not spent in prefill: a stalled engine is slow to start
 prefill, and a request waiting for a slot or behind another prefill is waiting."""
 
-METRICS_READ: tuple[str, ...] = (
-    "kvpressure_engine_up",
-    "kvpressure_engine_restarts_total",
-    "kvpressure_engine_requests_waiting",
-    "kvpressure_engine_slots",
-    "kvpressure_engine_requests_running",
-    STATS_STALE,
-    "kvpressure_engine_kv_cache_usage_ratio",
-    "kvpressure_engine_preemptions_total",
-    "kvpressure_engine_prefix_cache_queried_tokens_total",
-    "kvpressure_engine_prefix_cache_hit_tokens_total",
-    "kvpressure_gpu_up",
-    "kvpressure_gpu_memory_total_bytes",
-    "kvpressure_gpu_memory_used_bytes",
-    "kvpressure_gpu_process_memory_bytes",
-    "kvpressure_gpu_utilization_ratio",
-    "kvpressure_gpu_clock_event_active",
-    "kvpressure_gpu_xid_errors_total",
-    "kvpressure_accelerator_stall_seconds_total",
-    "kvpressure_psi_stall_seconds_total",
-    "kvpressure_psi_avg10_ratio",
-    "kvpressure_host_memory_total_bytes",
-    "kvpressure_host_memory_available_bytes",
-    "kvpressure_host_major_page_faults_total",
-    "kvpressure_host_swap_in_pages_total",
-    "kvpressure_host_swap_out_pages_total",
-    "kvpressure_host_allocstalls_total",
-    CGROUP_USED,
-    CGROUP_LIMIT,
-    CGROUP_EVENTS,
-    "kvpressure_disk_io_time_seconds_total",
-    "kvpressure_disk_io_time_weighted_seconds_total",
-    "kvpressure_disk_read_bytes_total",
-    "kvpressure_net_tcp_retransmitted_segments_total",
-    "kvpressure_net_receive_errors_total",
-    "kvpressure_net_transmit_errors_total",
-    "kvpressure_net_receive_drops_total",
-    "kvpressure_net_transmit_drops_total",
+EVALUATE_READS: tuple[str, ...] = (ENGINE_UP, STATS_STALE)
+"""Read by :func:`evaluate` itself (:func:`engine_unavailable`, :func:`engine_stale`),
+besides the rules."""
+
+METRICS_READ: tuple[str, ...] = tuple(
+    dict.fromkeys(name for names in (EVALUATE_READS, *(r.reads for r in RULES)) for name in names)
 )
 """Every metric the rules read (one timeline read each per attribution pass)."""
 

@@ -40,8 +40,8 @@ from agent.attribution.model import ALL_CAUSES, CAUSES, UNKNOWN, Attribution
 from agent.attribution.rules import LONG_LOOKBACK, METRICS_READ
 from agent.attribution.signals import Signals
 from agent.attribution.store import AttributionStore, RequestSummary
+from agent.pipeline import Sampler
 from agent.requests.record import RequestRecord, RequestStream
-from agent.samplers.base import Sampler
 from agent.samples import Batch
 from agent.timeline import Timeline
 

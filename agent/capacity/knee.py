@@ -14,7 +14,8 @@ import threading
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
-from agent.requests.histograms import histogram_quantile
+from agent.catalogue import SampleName, histogram_names
+from agent.histograms import histogram_quantile
 
 BANDS: tuple[tuple[str, float, float], ...] = (
     ("0-50", 0.0, 0.50),
@@ -101,8 +102,9 @@ class KneeHistogram:
             h.total += seconds
             h.n += 1
 
-    def samples(self) -> Iterator[tuple[str, float, dict[str, str]]]:
+    def samples(self) -> Iterator[tuple[SampleName, float, dict[str, str]]]:
         """Yield ``(sample name, value, labels)`` for every observed key, cumulative buckets."""
+        bucket, count, total_name = histogram_names(METRIC)
         with self._lock:
             items = sorted((k, list(h.counts), h.total, h.n) for k, h in self._h.items())
         for (engine, phase, band), counts, total, n in items:
@@ -111,9 +113,9 @@ class KneeHistogram:
             for le, c in zip((*BUCKETS, float("inf")), counts, strict=True):
                 acc += c
                 le_s = "+Inf" if le == float("inf") else repr(le)
-                yield f"{METRIC}_bucket", float(acc), {**labels, "le": le_s}
-            yield f"{METRIC}_count", float(n), labels
-            yield f"{METRIC}_sum", total, labels
+                yield bucket, float(acc), {**labels, "le": le_s}
+            yield count, float(n), labels
+            yield total_name, total, labels
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,7 +144,7 @@ class BandStats:
 def quantile(q: float, buckets: Iterable[tuple[float, float]]) -> float | None:
     """Return the ``q`` quantile from cumulative ``(upper bound, count)`` buckets.
 
-    Sorts the pairs and applies :func:`agent.requests.histograms.histogram_quantile`
+    Sorts the pairs and applies :func:`agent.histograms.histogram_quantile`
     (Prometheus' rule: linear within a bucket, the lowest bucket starting at 0, the
     highest finite bound when the quantile falls in ``+Inf``). ``None`` without
     observations.

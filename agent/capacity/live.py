@@ -55,17 +55,19 @@ import logging
 import math
 import time
 from collections import defaultdict, deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from agent.capacity.knee import KneeHistogram
-from agent.capacity.kvbytes import KVShape, ModelShapeError, load_shape
-from agent.samplers.base import LogOnce, Sampler
+from agent.capacity.kvbytes import DTYPE_BYTES, KVShape, ModelShapeError, load_shape
+from agent.logs import LogOnce
+from agent.pipeline import Context, Plan, Sampler, Stage, register
 from agent.samples import Batch, Labels
 
 if TYPE_CHECKING:
+    from agent.config import Config
     from agent.requests.record import RequestRecord, RequestStream
     from agent.state import AgentState
 
@@ -238,6 +240,8 @@ def growth_rate(points: list[tuple[float, float]]) -> float | None:
     if len(points) < 3:
         return None
     n = len(points)
+    if len({v for _, v in points}) == 1:
+        return 0.0  # constant: exactly flat (the mean of equal floats can differ from them)
     mt = sum(t for t, _ in points) / n
     mv = sum(v for _, v in points) / n
     den = sum((t - mt) ** 2 for t, _ in points)
@@ -551,3 +555,41 @@ def llamacpp_gguf_path(model: str | None, instance: str | None, timeout_s: float
     if isinstance(path, str) and path.lower().endswith(".gguf") and Path(path).is_file():
         return path
     return None
+
+
+def _check(config: Config) -> Iterator[tuple[str, str]]:
+    """Each ``capacity.engines.<engine>.kv_dtype`` is ``auto`` or a known dtype."""
+    for engine, m in config.capacity.engines.items():
+        if m.kv_dtype != "auto" and m.kv_dtype not in DTYPE_BYTES:
+            yield (
+                f"capacity.engines.{engine}.kv_dtype",
+                f"expected auto or one of {', '.join(sorted(DTYPE_BYTES))}",
+            )
+
+
+@register(
+    "capacity",
+    Stage.DERIVED,
+    "KV headroom, saturation, time to saturation, latency knee, prefix-reuse savings",
+    check=_check,
+)
+def _plan(ctx: Context) -> list[Plan]:
+    cfg = ctx.config
+    interval = ctx.interval_s("capacity")
+    spec = ("capacity", interval, cfg.capacity.model_dump_json())
+    return [
+        Plan(
+            "capacity",
+            spec,
+            lambda: CapacitySampler(
+                ctx.state,
+                interval_s=interval,
+                window_s=cfg.capacity.window_s,
+                models={
+                    k: ModelSource(m.model, m.kv_dtype) for k, m in cfg.capacity.engines.items()
+                },
+                auto_gguf=cfg.capacity.auto_gguf,
+                stream=ctx.requests,  # consumer "capacity": the latency knee
+            ),
+        )
+    ]

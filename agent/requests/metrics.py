@@ -19,17 +19,18 @@ import re
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Final, Protocol
 
-from agent.requests.record import RequestRecord, RequestStream
-from agent.samplers.base import Sampler
+from agent import catalogue
+from agent.pipeline import Context, Plan, Sampler, Stage, register
+from agent.requests.record import OUTCOMES, RequestRecord, RequestStream
 from agent.samples import Batch
 
-LATENCY_METRIC = "kvpressure_request_latency_seconds"
-REQUESTS_METRIC = "kvpressure_requests_total"
-TOKENS_METRIC = "kvpressure_request_tokens_total"
-CONNECT_METRIC = "kvpressure_proxy_upstream_connect_seconds"
-DROPPED_METRIC = "kvpressure_request_records_dropped_total"
+LATENCY_METRIC: Final = catalogue.REQUEST_LATENCY_SECONDS
+REQUESTS_METRIC: Final = catalogue.REQUESTS_TOTAL
+TOKENS_METRIC: Final = catalogue.REQUEST_TOKENS_TOTAL
+CONNECT_METRIC: Final = catalogue.PROXY_UPSTREAM_CONNECT_SECONDS
+DROPPED_METRIC: Final = catalogue.REQUEST_RECORDS_DROPPED_TOTAL
 
 CONSUMER = "metrics"
 """Name of this collector's queue on the RequestStream."""
@@ -76,17 +77,6 @@ CONNECT_BUCKETS_S: tuple[float, ...] = (
 """Upper bounds (seconds) of the proxy's upstream TCP connect-time histogram."""
 
 PHASES = ("ttft", "e2e", "itl", "queue", "prefill", "decode")
-OUTCOMES = frozenset(
-    {
-        "ok",
-        "client_error",
-        "server_error",
-        "upstream_down",
-        "cancelled",
-        "context_exceeded",
-        "kv_exhausted",
-    }
-)
 MAX_ENGINES = 64
 OTHER = "other"
 _LABEL_OK = re.compile(r"^[A-Za-z0-9_.:/-]{1,64}$")
@@ -154,13 +144,14 @@ class Histogram:
 
     def emit(self, batch: Batch, name: str, **labels: str) -> None:
         """Add ``<name>_bucket`` (cumulative, with ``le``), ``_count`` and ``_sum`` samples."""
+        bucket, count, total = catalogue.histogram_names(name)
         running = 0
         for bound, n in zip(self.bounds, self.counts, strict=False):
             running += n
-            batch.add(f"{name}_bucket", running, le=_fmt_le(bound), **labels)
-        batch.add(f"{name}_bucket", self.total, le="+Inf", **labels)
-        batch.add(f"{name}_count", self.total, **labels)
-        batch.add(f"{name}_sum", self.sum, **labels)
+            batch.add(bucket, running, le=_fmt_le(bound), **labels)
+        batch.add(bucket, self.total, le="+Inf", **labels)
+        batch.add(count, self.total, **labels)
+        batch.add(total, self.sum, **labels)
 
 
 def _fmt_le(bound: float) -> str:
@@ -277,3 +268,14 @@ class RequestMetrics(Sampler):
             batch.add(DROPPED_METRIC, n, consumer=consumer)
         for source in self._sources:
             source.add_samples(batch)
+
+
+@register(
+    "requests",
+    Stage.DERIVED,
+    "request latency histograms, outcomes and tokens from the request stream",
+)
+def _plan(ctx: Context) -> list[Plan]:
+    interval = ctx.interval_s("requests")
+    return [Plan("requests", ("requests", interval),
+                 lambda: RequestMetrics(ctx.requests, interval_s=interval))]  # fmt: skip

@@ -75,9 +75,10 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
 
+from agent import catalogue
 from agent.requests.metrics import MAX_ENGINES, LabelCap
 from agent.requests.record import RequestRecord, RequestStream
-from agent.samples import Batch
+from agent.samples import Batch, Sample
 
 log = logging.getLogger(__name__)
 
@@ -86,9 +87,9 @@ DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 PROTOBUF = "application/x-protobuf"
 JSON = "application/json"
 
-SPANS_METRIC = "kvpressure_otlp_spans_received_total"
-ATTRIBUTES_DROPPED_METRIC = "kvpressure_otlp_span_attributes_dropped_total"
-REQUESTS_METRIC = "kvpressure_otlp_requests_total"
+SPANS_METRIC: Final = catalogue.OTLP_SPANS_RECEIVED_TOTAL
+ATTRIBUTES_DROPPED_METRIC: Final = catalogue.OTLP_SPAN_ATTRIBUTES_DROPPED_TOTAL
+REQUESTS_METRIC: Final = catalogue.OTLP_REQUESTS_TOTAL
 
 _GRPC_INVALID_ARGUMENT = 3
 _GRPC_RESOURCE_EXHAUSTED = 8
@@ -760,6 +761,16 @@ class OtlpReceiver:
         return self.export(decode(body, media))
 
     # ---- self metrics ----------------------------------------------------------------
+    def checks_itself(self, request: web.Request) -> bool:
+        """True for ``/v1/traces`` while a bearer token is set (web-config auth exemption)."""
+        return request.path == PATH and self.bearer_token is not None
+
+    def health_samples(self) -> list[Sample]:
+        """The receiver's counters (:meth:`add_samples`), rendered with the agent's own."""
+        batch = Batch()
+        self.add_samples(batch)
+        return batch.samples
+
     def add_samples(self, batch: Batch) -> None:
         """Add the receiver's counters to ``batch``.
 

@@ -63,7 +63,7 @@ from agent.listener import (
     ConnectionCap,
     ServerLog,
 )
-from agent.requests.record import MAX_ITL_GAPS, RequestRecord, RequestStream
+from agent.requests.record import MAX_ITL_GAPS, Outcome, RequestRecord, RequestStream
 
 if TYPE_CHECKING:
     from aiohttp.client_proto import ResponseHandler
@@ -211,7 +211,7 @@ class Observer:
         self.prefill_s: float | None = None
         self.decode_s: float | None = None
         self.error_type: str | None = None
-        self.error_outcome: str | None = None
+        self.error_outcome: Outcome | None = None
         self._usage: dict[str, Any] | None = None
         self._timings: dict[str, Any] | None = None
         self._ollama: dict[str, Any] | None = None
@@ -372,7 +372,7 @@ class Observer:
             self.output_tokens = self._tgi_generated
 
 
-def classify_error(error_type: str | None, message: str, code: object = None) -> str:
+def classify_error(error_type: str | None, message: str, code: object = None) -> Outcome:
     """Map an engine's error to an outcome.
 
     Args:
@@ -848,7 +848,7 @@ class RequestProxy:
         up.active += 1
         use = UpstreamUse()
         rec: dict[str, Any] = {}
-        outcome = "ok"
+        outcome: Outcome = "ok"
         status: int | None = None
         observer: Observer | None = None
         upstream: aiohttp.ClientResponse | None = None
@@ -933,7 +933,7 @@ class RequestProxy:
         engine: str,
         t_wall: float,
         t0: float,
-        outcome: str,
+        outcome: Outcome,
         status: int | None,
         observer: Observer | None,
         use: UpstreamUse,

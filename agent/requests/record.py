@@ -12,9 +12,25 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Final, Literal, get_args
 
 MAX_ITL_GAPS = 4096
 """Most inter-token gaps kept per record (a longer stream keeps its first gaps)."""
+
+
+Outcome = Literal[
+    "ok",
+    "client_error",
+    "server_error",
+    "upstream_down",
+    "cancelled",
+    "context_exceeded",
+    "kv_exhausted",
+]
+"""How a request ended (the ``outcome`` label; see :class:`RequestRecord`)."""
+OUTCOMES: Final[frozenset[str]] = frozenset(get_args(Outcome))
+RecordSource = Literal["otlp", "proxy"]
+"""Where a record came from."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,8 +69,8 @@ class RequestRecord:
     engine: str
     start: float
     end: float
-    outcome: str = "ok"
-    source: str = "proxy"
+    outcome: Outcome = "ok"
+    source: RecordSource = "proxy"
     model: str | None = None
     ttft_s: float | None = None
     e2e_s: float | None = None

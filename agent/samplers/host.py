@@ -44,6 +44,7 @@ from collections.abc import Callable, Container
 from dataclasses import dataclass
 from typing import TypeVar
 
+from agent.pipeline import Context, Plan, Stage, register
 from agent.samplers.base import LogOnce, Sampler
 from agent.samples import Batch
 
@@ -1192,3 +1193,29 @@ class HostSampler(Sampler):
             for state, value in (("total", total), ("used", used), ("free", free)):
                 batch.add("kvpressure_memory_tier_bytes", value, tier=tier, node=node, state=state)
         self._finish(batch, "numa", status)
+
+
+@register("host", Stage.SOURCE, "memory, PSI, disks, network, NUMA tiers from /proc and /sys")
+def _plan(ctx: Context) -> list[Plan]:
+    cfg = ctx.config
+    interval = ctx.interval_s("host")
+    cgroups: dict[str, str] = {}
+    for e in cfg.engines:
+        if e.cgroup or e.unit:
+            cgroups[e.label] = e.cgroup or e.unit or ""
+    memory_cgroup = cfg.samplers.host.memory_cgroup
+    spec = ("host", cfg.procfs_root, cfg.sysfs_root, tuple(sorted(cgroups.items())), interval,
+            memory_cgroup)  # fmt: skip
+    return [
+        Plan(
+            "host",
+            spec,
+            lambda: HostSampler(
+                procfs_root=cfg.procfs_root,
+                sysfs_root=cfg.sysfs_root,
+                engine_cgroups=cgroups,
+                interval_s=interval,
+                memory_cgroup=memory_cgroup,
+            ),
+        )
+    ]

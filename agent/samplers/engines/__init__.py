@@ -16,8 +16,11 @@ and a golden test; the normalizer does not change.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+
 import httpx
 
+from agent.pipeline import Context, Plan, Stage, register
 from agent.samplers.engines.base import (
     AUTO,
     EngineSampler,
@@ -46,6 +49,7 @@ def make_engine_sampler(
     interval_s: float = 1.0,
     timeout_s: float | None = None,
     transport: httpx.BaseTransport | None = None,
+    pod_labels: Callable[[str], Mapping[str, str]] | None = None,
 ) -> EngineSampler:
     """Build the sampler for one configured engine endpoint.
 
@@ -56,6 +60,7 @@ def make_engine_sampler(
         interval_s: seconds between collections.
         timeout_s: collection budget in seconds (default ``max(interval_s, 2.0)``).
         transport: optional ``httpx`` transport (tests).
+        pod_labels: the engine's pod labels by engine name (:class:`EngineSampler`).
 
     Returns:
         An :class:`EngineSampler`.
@@ -70,4 +75,27 @@ def make_engine_sampler(
         interval_s=interval_s,
         timeout_s=timeout_s,
         transport=transport,
+        pod_labels=pod_labels,
     )
+
+
+@register(
+    "engines",
+    Stage.SOURCE,
+    "each configured or discovered engine's /metrics, mapped to the catalogue",
+    label="engine",
+)
+def _plan(ctx: Context) -> list[Plan]:
+    interval = ctx.interval_s("engines")
+    out: list[Plan] = []
+    for e in ctx.engines:
+        spec = ("engine", e.label, e.url, e.type, interval)
+
+        def build(name: str = e.label, url: str = e.url, kind: str = e.type) -> EngineSampler:
+            return make_engine_sampler(
+                name=name, url=url, engine_type=kind, interval_s=interval,
+                pod_labels=ctx.engine_pods,
+            )  # fmt: skip
+
+        out.append(Plan(f"engine:{e.label}", spec, build))
+    return out

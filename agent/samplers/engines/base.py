@@ -35,7 +35,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Final
 
 import httpx
@@ -59,7 +59,7 @@ from agent.samplers.engines.normalize import (
 )
 from agent.samplers.engines.registry import DETECTION_FALLBACK, ENGINE_TYPES
 from agent.samplers.engines.staleness import STALE, StaleTracker
-from agent.samples import Batch
+from agent.samples import Batch, Sample, make_labels
 
 log = logging.getLogger(__name__)
 
@@ -176,6 +176,9 @@ class EngineSampler(Sampler):
         timeout_s: the whole collection's budget in seconds (HTTP requests of one cycle
             share 90% of it); default ``max(interval_s, 2.0)``.
         transport: an ``httpx`` transport (tests inject ``httpx.MockTransport``).
+        pod_labels: ``engine name -> {label: value}``, the engine's pod labels
+            (:meth:`agent.kube.EnginePods.labels`: ``pod_uid``, ``namespace``, ``pod``,
+            ``container``), added to every series of the engine; ``None``: no pod labels.
 
     Raises:
         ValueError: ``engine_type`` is neither ``"auto"`` nor a known type.
@@ -189,6 +192,7 @@ class EngineSampler(Sampler):
         interval_s: float = 1.0,
         timeout_s: float | None = None,
         transport: httpx.BaseTransport | None = None,
+        pod_labels: Callable[[str], Mapping[str, str]] | None = None,
     ) -> None:
         super().__init__(interval_s=interval_s, timeout_s=timeout_s)
         if engine_type != AUTO and engine_type not in ENGINE_TYPES:
@@ -216,6 +220,7 @@ class EngineSampler(Sampler):
         self._models: list[str] = []
         self._failing = ""
         self._stale = StaleTracker()
+        self._pod_labels = pod_labels
         if engine_type != AUTO:
             self._set_type(engine_type)
 
@@ -243,8 +248,20 @@ class EngineSampler(Sampler):
             return
         try:
             self._collect(batch)
+            self._add_pod_labels(batch)
         finally:
             self._lock.release()
+
+    def _add_pod_labels(self, batch: Batch) -> None:
+        """Put the engine's pod labels on every sample of ``batch`` (one set per engine)."""
+        if self._pod_labels is None:
+            return
+        pod = self._pod_labels(self.engine)  # never raises (EnginePods.labels)
+        if not pod:
+            return
+        batch.samples = [
+            Sample(s.name, s.value, make_labels({**pod, **dict(s.labels)})) for s in batch.samples
+        ]
 
     def close(self) -> None:
         """Close the HTTP client."""

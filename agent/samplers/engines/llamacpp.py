@@ -45,6 +45,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
 
+from agent.catalogue import SampleName
 from agent.samplers.base import LogOnce
 from agent.samplers.engines.http import HttpResult
 from agent.samplers.engines.normalize import (
@@ -310,7 +311,10 @@ class LlamaCppAddon(EngineAddon):
         props = self._props
         if usage is not None:
             capacity = usage.capacity_tokens
-            values = {KV_RATIO: usage.usage_ratio, KV_USED: usage.used_tokens}
+            values: dict[SampleName, float | None] = {
+                KV_RATIO: usage.usage_ratio,
+                KV_USED: usage.used_tokens,
+            }
             ctx.add(SLOTS, usage.total, model, state="total")
             ctx.add(SLOTS, usage.processing, model, state="processing")
         else:

@@ -54,7 +54,7 @@ per change of the dropped set. A rule with ``per_model=False``
 combines all models into one series without a ``model`` label.
 
 Histograms (``kind="histogram"``): the rule's source is a histogram family; per raw
-series the normalizer keeps a :class:`~agent.requests.histograms.WindowedHistogram` of
+series the normalizer keeps a :class:`~agent.histograms.WindowedHistogram` of
 its buckets (``le`` scaled by ``scale``, e.g. milliseconds to seconds), sums the window
 deltas of the series that combine into one output group, and emits the windowed
 quantiles ``Rule.quantiles`` as gauge samples with a ``percentile`` label (``p50``,
@@ -68,10 +68,10 @@ Aggregatable latency (issue 16, point 4): a rule with ``export`` (every :func:`l
 rule) also re-exports its source as a cumulative Prometheus histogram,
 ``kvpressure_engine_request_latency_seconds{phase}``, in one bucket layout per phase whatever
 the engine (:data:`PHASE_BUCKETS`, the OpenTelemetry GenAI advisory buckets). Each raw
-series is re-bucketed conservatively (:func:`~agent.requests.histograms.rebucket`: an
+series is re-bucketed conservatively (:func:`~agent.histograms.rebucket`: an
 engine bucket whose bound is not a target bound counts in the next target bound above it,
 beyond the last one in ``+Inf``), re-exported reset-aware
-(:class:`~agent.requests.histograms.CumulativeHistogram`) and summed per output group like
+(:class:`~agent.histograms.CumulativeHistogram`) and summed per output group like
 the windows, so ``histogram_quantile(q, sum by (le) (rate(..._bucket[5m])))`` combines
 instances, engines and pods.
 
@@ -97,8 +97,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Final, Literal
 
-from agent.logs import RateLimitedLog
-from agent.requests.histograms import (
+from agent.catalogue import SampleName
+from agent.histograms import (
     DEFAULT_MIN_COUNT,
     DEFAULT_WINDOW_S,
     GENAI_REQUEST_DURATION_BOUNDS_S,
@@ -111,6 +111,7 @@ from agent.requests.histograms import (
     sum_windows,
     window_quantile,
 )
+from agent.logs import RateLimitedLog
 from agent.samplers.base import LogOnce
 from agent.samplers.engines.exposition import ParsedFamily, ParseResult
 from agent.samplers.engines.http import Fetch
@@ -187,7 +188,7 @@ class Rule:
             quantile.
         export: for ``histogram`` rules, the catalogue histogram the source is also
             re-exported as (cumulative, reset-aware, re-bucketed into ``buckets`` by
-            :func:`~agent.requests.histograms.rebucket`); empty for none.
+            :func:`~agent.histograms.rebucket`); empty for none.
         buckets: the finite upper bounds (seconds) of ``export``'s bucket layout.
     """
 
@@ -700,7 +701,7 @@ class AddonContext:
     admits: Callable[[str | None], bool] = lambda _model: True
     """Whether a model may get series (the normalizer's :meth:`Normalizer.admits`)."""
 
-    def add(self, name: str, value: float | None, model: str | None, **labels: str) -> None:
+    def add(self, name: SampleName, value: float | None, model: str | None, **labels: str) -> None:
         """Add a catalogue sample with this engine's labels (none for a refused model)."""
         if not self.admits(model):
             return

@@ -1,0 +1,261 @@
+"""The pipeline: every stage the agent runs, registered by name. Read this file for the map.
+
+Data flows one way::
+
+    sources (Stage.SOURCE)          core                       derived (Stage.DERIVED)
+    host, gpu, engines  ──► Batch ─► AgentState (latest)  ──►  accelerator  (after gpu)
+                                     + Timeline                requests, capacity,
+    OTLP receiver, proxies ─► RequestRecord ─► RequestStream ─► attribution
+                                                            exporters render the state
+
+Each stage module registers itself at import with :func:`register` (name, stage, default
+switch, factory); :data:`MODULES` lists those modules, in the order the agent shows them.
+The daemon (:mod:`agent.daemon`) is a loop over :func:`plan`: every registration gets the
+same ``samplers.<name>.enabled`` / ``interval_s`` switch in the config
+(:class:`agent.config.SamplersConfig`), and one :class:`Context` to build from.
+
+Rules of the house, checked by ``tests/test_pipeline.py``:
+
+* a source reads the outside world only, never another source or the state;
+* a derived stage reads the state and timeline; one with ``after`` runs right after each
+  report of those sources (the same tick), the others on their own interval;
+* exporters are not stages: they render the state and report their own health with
+  :meth:`agent.state.AgentState.add_health`.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+import importlib
+import threading
+from collections.abc import Callable, Hashable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Final
+
+from agent.samples import Batch
+
+if TYPE_CHECKING:
+    from agent.attribution.sampler import SpanSink
+    from agent.attribution.store import AttributionStore
+    from agent.config import Config, EngineConfig
+    from agent.requests.record import RequestStream
+    from agent.state import AgentState
+
+MODULES: Final = (
+    "agent.samplers.host",
+    "agent.samplers.gpu",
+    "agent.samplers.engines",
+    "agent.samplers.accelerator",
+    "agent.requests.metrics",
+    "agent.capacity.live",
+    "agent.attribution",
+)
+"""The stage modules, each registering itself (sources first, then derived stages)."""
+
+
+class Stage(enum.StrEnum):
+    """Where a stage sits in the one-way flow."""
+
+    SOURCE = "source"
+    """Reads the outside world (procfs, NVML, an engine's ``/metrics``)."""
+    DERIVED = "derived"
+    """Reads the state and timeline the sources filled."""
+
+
+class Sampler(abc.ABC):
+    """A periodic stage: a reader of one kind of source, or a derived computation.
+
+    Subclasses implement :meth:`collect`. The daemon calls it on a dedicated worker thread
+    every ``interval_s`` seconds (or, for a derived stage with ``after``, right after each
+    report of those sources); a call that runs longer than ``timeout_s`` marks the sampler
+    down (``kvpressure_sampler_up 0``) without blocking any other sampler.
+
+    Attributes:
+        name: the value of the ``sampler`` label, e.g. ``"host"`` or ``"engine:vllm"``.
+        interval_s: seconds between the starts of two collections.
+        timeout_s: seconds after which a running collection counts as failed.
+    """
+
+    name: str = "sampler"
+
+    def __init__(self, interval_s: float = 1.0, timeout_s: float | None = None) -> None:
+        self.interval_s = interval_s
+        self.timeout_s = timeout_s if timeout_s is not None else max(interval_s, 2.0)
+
+    @abc.abstractmethod
+    def collect(self, batch: Batch) -> None:
+        """Read the sources and add samples to ``batch``.
+
+        Args:
+            batch: the batch to fill. A source that fails is recorded with
+                :meth:`Batch.source_error`; what was read stays in the batch.
+
+        Raises:
+            Exception: anything raised means the whole sampler failed this cycle; the
+                daemon logs it, sets ``kvpressure_sampler_up 0`` and drops the batch.
+        """
+
+    def close(self) -> None:  # noqa: B027 - optional hook, empty by default
+        """Release resources (HTTP clients, NVML handles). Called once at shutdown."""
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """One sampler to run.
+
+    Attributes:
+        name: its ``sampler`` label value (``host``, ``engine:vllm``).
+        spec: a hashable description of what it was built from; the daemon keeps the
+            running sampler across reloads while the spec is unchanged (counters survive).
+        build: makes the sampler (called once per spec).
+    """
+
+    name: str
+    spec: Hashable
+    build: Callable[[], Sampler]
+
+
+@dataclass(frozen=True, slots=True)
+class Context:
+    """Everything a stage factory may use; one per :func:`plan` call.
+
+    Attributes:
+        config: the validated configuration.
+        state: the agent's state (derived stages read it; sources must not).
+        requests: the one request stream (derived stages subscribe to it).
+        attributions: the attribution store (outlives reloads).
+        engines: configured and discovered engines.
+        engine_pids: PID -> engine label of local engine processes (the GPU join).
+        engine_pods: engine label -> its pod's labels (:meth:`agent.kube.EnginePods.labels`).
+        span_sink: the OTLP exporter's span sink, or ``None`` when export is off.
+    """
+
+    config: Config
+    state: AgentState
+    requests: RequestStream
+    attributions: AttributionStore
+    engines: tuple[EngineConfig, ...] = ()
+    engine_pids: Callable[[], dict[int, str]] | None = None
+    engine_pods: Callable[[str], Mapping[str, str]] | None = None
+    span_sink: SpanSink | None = None
+
+    def interval_s(self, name: str) -> float:
+        """``samplers.<name>.interval_s``, else the global ``interval_s`` (seconds)."""
+        toggle = getattr(self.config.samplers, name, None)
+        own = getattr(toggle, "interval_s", None)
+        return float(own) if own else float(self.config.interval_s)
+
+
+ConfigCheck = Callable[["Config"], Iterable[tuple[str, str]]]
+"""Validates what only the stage knows (rule names, dtypes): yields ``(field path, message)``."""
+
+
+@dataclass(frozen=True, slots=True)
+class Registration:
+    """One named stage.
+
+    Attributes:
+        name: the registry name; also its ``samplers.<name>`` config key.
+        stage: :class:`Stage`.
+        plan: ``plan(ctx) -> [Plan, ...]``: the samplers to run (several for ``engines``).
+        doc: one line for the docs.
+        default_enabled: the ``samplers.<name>.enabled`` default.
+        label: the ``sampler`` label (prefix before ``:`` for per-instance samplers).
+        after: for a derived stage, the sources whose reports trigger it.
+        check: extra config validation the stage owns.
+    """
+
+    name: str
+    stage: Stage
+    plan: Callable[[Context], list[Plan]]
+    doc: str
+    default_enabled: bool = True
+    label: str = ""
+    after: tuple[str, ...] = ()
+    check: ConfigCheck | None = None
+
+
+_REGISTRY: dict[str, Registration] = {}
+_LOCK = threading.Lock()
+_LOADED = False
+
+
+def register(
+    name: str,
+    stage: Stage,
+    doc: str,
+    *,
+    default_enabled: bool = True,
+    label: str = "",
+    after: tuple[str, ...] = (),
+    check: ConfigCheck | None = None,
+) -> Callable[[Callable[[Context], list[Plan]]], Callable[[Context], list[Plan]]]:
+    """Register the decorated ``plan(ctx)`` function as stage ``name`` (see the module doc).
+
+    Raises:
+        ValueError: ``name`` is registered twice, or ``after`` names a stage on a source.
+    """
+
+    def deco(fn: Callable[[Context], list[Plan]]) -> Callable[[Context], list[Plan]]:
+        if name in _REGISTRY and _REGISTRY[name].plan is not fn:
+            raise ValueError(f"stage {name!r} registered twice")
+        if after and stage is not Stage.DERIVED:
+            raise ValueError(f"stage {name!r}: only a derived stage runs after others")
+        _REGISTRY[name] = Registration(name, stage, fn, doc, default_enabled, label or name,
+                                       after, check)  # fmt: skip
+        return fn
+
+    return deco
+
+
+def registry() -> Mapping[str, Registration]:
+    """Import every stage module of :data:`MODULES` once and return the registrations."""
+    global _LOADED  # noqa: PLW0603 - one import pass per process
+    with _LOCK:
+        if not _LOADED:
+            for module in MODULES:
+                importlib.import_module(module)
+            _LOADED = True
+    order = {m: i for i, m in enumerate(MODULES)}
+    regs = sorted(_REGISTRY.values(), key=lambda r: (order.get(r.plan.__module__, 99), r.name))
+    return {r.name: r for r in regs}
+
+
+def enabled(config: Config, name: str) -> bool:
+    """``samplers.<name>.enabled`` (the registration's default when the key is absent)."""
+    toggle = getattr(config.samplers, name, None)
+    if toggle is None:
+        return registry()[name].default_enabled
+    return bool(toggle.enabled)
+
+
+@dataclass(frozen=True, slots=True)
+class Planned:
+    """A :class:`Plan` with the registration it came from."""
+
+    plan: Plan
+    reg: Registration = field(compare=False)
+
+
+def plan(ctx: Context) -> dict[str, Planned]:
+    """Every sampler the config asks for, by ``sampler`` label, sources first.
+
+    Raises:
+        Exception: whatever a stage's ``plan`` raises (a bug; the daemon logs it).
+    """
+    out: dict[str, Planned] = {}
+    for reg in registry().values():
+        if enabled(ctx.config, reg.name):
+            for p in reg.plan(ctx):
+                out[p.name] = Planned(p, reg)
+    return out
+
+
+def check_config(config: Config) -> list[tuple[str, str]]:
+    """Run every stage's own config check; ``[(field path, message), ...]`` (empty: ok)."""
+    problems: list[tuple[str, str]] = []
+    for reg in registry().values():
+        if reg.check is not None:
+            problems.extend(reg.check(config))
+    return problems

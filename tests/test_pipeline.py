@@ -1,0 +1,292 @@
+"""The pipeline registry is the agent's map: names, config switches, flow direction.
+
+* the registry's names, the config's ``samplers.<name>`` keys and the ``sampler`` label
+  values of ``kvpressure_sampler_up`` (the whole agent, as the golden exposition runs it) are
+  the same set;
+* imports go one way (no samplers -> requests, exporters -> samplers, config ->
+  attribution/capacity, requests -> samplers; sources never import the state);
+* sources build and collect without touching the state; a derived stage with ``after`` runs
+  right after each report of its source;
+* the old ``attribution.enabled`` switch still works, with a deprecation warning.
+"""
+
+from __future__ import annotations
+
+import ast
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import get_args
+
+import pytest
+
+from agent import catalogue, pipeline
+from agent.attribution.store import AttributionStore
+from agent.config import ENGINE_TYPES, ConfigError, SamplersConfig, parse
+from agent.pipeline import Context, Plan, Planned, Registration, Sampler, Stage
+from agent.requests.record import RequestStream
+from agent.samplers.engines import ENGINE_TYPES as ENGINE_MAPPINGS
+from agent.samples import Batch
+from agent.scheduler import Runners
+from agent.state import AgentState
+from agent.timeline import Timeline
+
+ROOT = Path(__file__).resolve().parent.parent
+GOLDEN = Path(__file__).parent / "fixtures" / "golden" / "e2e-output.txt"
+
+
+def test_registry_names_config_keys_and_sampler_labels_are_one_set():
+    regs = pipeline.registry()
+    names = set(regs)
+    assert names == set(SamplersConfig.model_fields)
+    # the golden exposition runs the whole agent with every stage on, two engines configured
+    labels = {
+        line.split('sampler="', 1)[1].split('"', 1)[0]
+        for line in GOLDEN.read_text().splitlines()
+        if line.startswith("kvpressure_sampler_up{")
+    }
+    by_label = {r.label: r.name for r in regs.values()}
+    assert {by_label[v.split(":", 1)[0]] for v in labels} == names
+    # per-instance samplers are "<label>:<instance>", the others their bare name
+    for v in labels:
+        reg = regs[by_label[v.split(":", 1)[0]]]
+        assert (":" in v) == (reg.label != reg.name), v
+
+
+def test_sources_come_before_derived_stages_and_after_names_a_source():
+    regs = list(pipeline.registry().values())
+    stages = [r.stage for r in regs]
+    assert stages == sorted(stages, key=lambda s: s is Stage.DERIVED)
+    sources = {r.name for r in regs if r.stage is Stage.SOURCE}
+    for r in regs:
+        assert set(r.after) <= sources, r.name
+    assert pipeline.registry()["accelerator"].after == ("gpu",)
+
+
+def test_every_stage_switch_turns_its_stage_off():
+    for name in pipeline.registry():
+        cfg = parse(f"samplers: {{{name}: {{enabled: false}}}}\nengines: "
+                    "[{name: e, type: vllm, url: 'http://127.0.0.1:1'}]\n")  # fmt: skip
+        ctx = Context(cfg, AgentState(Timeline(16, 100)), RequestStream(), AttributionStore(),
+                      engines=tuple(cfg.engines))  # fmt: skip
+        planned = {p.reg.name for p in pipeline.plan(ctx).values()}
+        assert name not in planned
+        assert planned == set(pipeline.registry()) - {name} - (
+            {"accelerator"} if name == "gpu" else set()
+        )
+
+
+def _imports(path: Path) -> set[str]:
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            out.add(node.module)
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+    return out
+
+
+def _files(package: str) -> list[Path]:
+    return sorted((ROOT / package.replace(".", "/")).rglob("*.py"))
+
+
+@pytest.mark.parametrize(
+    ("importer", "forbidden"),
+    [
+        ("agent.samplers", "agent.requests"),
+        ("exporters", "agent.samplers"),
+        ("agent.requests", "agent.samplers"),
+        ("agent.config", "agent.attribution"),
+        ("agent.config", "agent.capacity"),
+    ],
+)
+def test_imports_go_one_way(importer, forbidden):
+    path = ROOT / (importer.replace(".", "/") + ".py")
+    files = [path] if path.exists() else _files(importer)
+    bad = {
+        f"{f.relative_to(ROOT)} imports {m}"
+        for f in files
+        for m in _imports(f)
+        if m == forbidden or m.startswith(forbidden + ".")
+    }
+    assert not bad, sorted(bad)
+
+
+def test_sources_do_not_import_the_state_or_other_sources():
+    regs = pipeline.registry().values()
+    source_modules = {r.plan.__module__ for r in regs if r.stage is Stage.SOURCE}
+    assert source_modules == {
+        "agent.samplers.host",
+        "agent.samplers.gpu",
+        "agent.samplers.engines",
+    }
+    files = [
+        f
+        for f in _files("agent.samplers")
+        if f.name != "accelerator.py"  # the one derived stage under samplers/
+    ]
+    for f in files:
+        for m in _imports(f):
+            assert m not in ("agent.state", "agent.timeline"), f"{f.relative_to(ROOT)}: {m}"
+            assert not m.startswith("agent.requests"), f"{f.relative_to(ROOT)}: {m}"
+    host = _imports(ROOT / "agent/samplers/host.py")
+    assert not any(m.startswith(("agent.samplers.gpu", "agent.samplers.engines")) for m in host)
+
+
+class _NoState:
+    """A state that fails on any use: sources must never read it."""
+
+    def __getattr__(self, name: str) -> object:
+        raise AssertionError(f"a source used the state ({name})")
+
+
+def test_sources_build_and_collect_without_the_state(tmp_path):
+    cfg = parse(
+        f"procfs_root: {tmp_path}\nsysfs_root: {tmp_path}\ngpu: {{binding: 'fake:h200'}}\n"
+        "engines: [{name: e, type: vllm, url: 'http://127.0.0.1:9'}]\n"
+    )
+    ctx = Context(cfg, _NoState(), RequestStream(), AttributionStore(), engines=tuple(cfg.engines))
+    regs = pipeline.registry()
+    for reg in regs.values():
+        if reg.stage is not Stage.SOURCE:
+            continue
+        for p in reg.plan(ctx):
+            s = p.build()
+            try:
+                s.collect(Batch())
+            finally:
+                s.close()
+
+
+class _Counting(Sampler):
+    def __init__(self, name: str, interval_s: float) -> None:
+        super().__init__(interval_s)
+        self.name = name
+        self.runs = 0
+
+    def collect(self, batch: Batch) -> None:
+        self.runs += 1
+
+
+def test_a_derived_stage_with_after_runs_after_each_report_of_its_source():
+    state = AgentState(Timeline(16, 100))
+    src = _Counting("src", 0.1)
+    derived = _Counting("der", 3600.0)  # its own interval would never come round
+
+    def reg(name: str, stage: Stage, after: tuple[str, ...] = ()) -> Registration:
+        return Registration(name, stage, lambda _ctx: [], "test", after=after)
+
+    desired = {
+        "src": Planned(Plan("src", 1, lambda: src), reg("src", Stage.SOURCE)),
+        "der": Planned(Plan("der", 1, lambda: derived), reg("der", Stage.DERIVED, ("src",))),
+    }
+    runners = Runners(state)
+    runners.apply(desired, {})
+    try:
+        deadline = time.monotonic() + 5
+        while derived.runs < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        for r in runners.stop():
+            r.join(2)
+    assert derived.runs >= 3
+    assert abs(derived.runs - src.runs) <= 2  # once per source report
+
+
+def test_the_old_attribution_switch_still_works_with_a_deprecation_warning(caplog):
+    with caplog.at_level(logging.WARNING, logger="agent.config"):
+        cfg = parse("attribution: {enabled: false, slo_ttft_s: 3}\n")
+    assert cfg.samplers.attribution.enabled is False
+    assert cfg.attribution.slo_ttft_s == 3
+    assert any("attribution.enabled is deprecated" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="agent.config"):
+        cfg = parse("attribution: {enabled: false}\nsamplers: {attribution: {enabled: true}}\n")
+    assert cfg.samplers.attribution.enabled is True  # the new key wins
+    assert any("ignored" in r.getMessage() for r in caplog.records)
+    ctx = Context(parse("attribution: {enabled: false}\n"), AgentState(Timeline(16, 100)),
+                  RequestStream(), AttributionStore())  # fmt: skip
+    assert "attribution" not in pipeline.plan(ctx)
+
+
+def test_every_stage_has_an_interval_switch():
+    cfg = parse(
+        "interval_s: 2\nsamplers: {requests: {interval_s: 5}, capacity: {interval_s: 7},"
+        " attribution: {interval_s: 3}}\n"
+    )
+    ctx = Context(cfg, AgentState(Timeline(16, 100)), RequestStream(), AttributionStore())
+    plans = pipeline.plan(ctx)
+    got = {n: plans[n].plan.build().interval_s for n in ("requests", "capacity", "attribution")}
+    assert got == {"requests": 5.0, "capacity": 7.0, "attribution": 3.0}
+    assert ctx.interval_s("host") == 2.0
+
+
+def test_stage_owned_config_checks_still_reject_at_parse():
+    with pytest.raises(ConfigError, match=r"f\.yaml: attribution\.thresholds: unknown rule"):
+        parse("attribution: {thresholds: {nope: [1, 2]}}\n", "f.yaml")
+    with pytest.raises(ConfigError, match=r"threshold and saturation must differ"):
+        parse("attribution: {thresholds: {kv_cache_usage: [1, 1]}}\n", "f.yaml")
+
+
+def test_config_engine_types_are_the_engine_registry():
+    assert set(ENGINE_TYPES) == {"auto", *ENGINE_MAPPINGS}
+
+
+def test_catalogue_constants_and_sample_names_match_the_catalogue():
+    consts = {
+        k: v
+        for k, v in vars(catalogue).items()
+        if k.isupper() and isinstance(v, str) and v.startswith("kvpressure_")
+    }
+    assert set(consts.values()) == set(catalogue.CATALOGUE)
+    for k, v in consts.items():
+        assert k == v.removeprefix("kvpressure_").upper()
+    want = []
+    for name, m in catalogue.CATALOGUE.items():
+        want += (
+            [name + s for s in ("_bucket", "_count", "_sum")] if m.kind == "histogram" else [name]
+        )
+    assert list(get_args(catalogue.SampleName)) == want
+
+
+def test_runners_survive_a_factory_that_raises():
+    state = AgentState(Timeline(16, 100))
+    reg = Registration("bad", Stage.SOURCE, lambda _c: [], "test")
+
+    def boom() -> Sampler:
+        raise RuntimeError("no")
+
+    runners = Runners(state)
+    runners.apply({"bad": Planned(Plan("bad", 1, boom), reg)}, {})
+    report = state.report("bad")
+    assert report is not None and not report.ok and report.reason == "init"
+    assert threading.active_count() >= 1
+
+
+def test_closed_sets_are_types_that_match_their_runtime_sets():
+    from agent.attribution.model import ALL_CAUSES, Cause
+    from agent.attribution.rules import RULES
+    from agent.requests.record import OUTCOMES, Outcome
+    from agent.samples import SourceState
+
+    assert set(get_args(Cause)) == set(ALL_CAUSES)
+    assert {r.cause for r in RULES} <= set(ALL_CAUSES)
+    assert set(get_args(Outcome)) == OUTCOMES
+    assert set(get_args(SourceState)) == {"ok", "error", "unsupported"}
+
+
+def test_the_accelerator_is_unsupported_where_the_gpu_sampler_is():
+    from agent.samplers.accelerator import AcceleratorSampler
+    from agent.state import SamplerReport
+
+    gpu = Batch()
+    gpu.source_unsupported("nvml", "library_not_found")
+    report = SamplerReport("gpu", 1.0, 0.01, True, "", gpu)
+    acc = AcceleratorSampler(lambda: report, None)
+    b = Batch()
+    acc.collect(b)
+    assert [(s.source, s.state, s.reason) for s in b.sources] == [
+        ("gpu", "unsupported", "library_not_found")
+    ]
+    assert b.samples == []
