@@ -1355,8 +1355,8 @@ _ALL: tuple[Metric, ...] = (
         "counter",
         "1",
         "Slow requests (a phase, queue, prefill, TTFT, time per output token or longest "
-        "inter-token gap, above the fitted cost of a request of its size on the engine, or "
-        "TTFT/TPOT/e2e above its SLO) by primary cause: memory, storage, network, "
+        "inter-token gap, above the fitted cost of a request of its size on the engine; while "
+        "the fit warms up, TTFT/TPOT/e2e above its SLO) by primary cause: memory, storage, network, "
         "concurrency, prefill_interference, compute, engine_restart, gpu_fault or unknown "
         "(agent/attribution).",
         ("engine", "cause"),
