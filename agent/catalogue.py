@@ -1356,8 +1356,9 @@ _ALL: tuple[Metric, ...] = (
         "1",
         "Slow requests (a phase, queue, prefill, TTFT, time per output token or longest "
         "inter-token gap, above the fitted cost of a request of its size on the engine; while "
-        "the fit warms up, TTFT/TPOT/e2e above its SLO) by primary cause: memory, storage, network, "
-        "concurrency, prefill_interference, compute, engine_restart, gpu_fault or unknown "
+        "the fit warms up, TTFT/TPOT/e2e above its SLO) by primary cause: memory, storage, "
+        "network, concurrency, prefill_interference, compute, engine_restart, gpu_fault or "
+        "unknown "
         "(agent/attribution).",
         ("engine", "cause"),
         "",
