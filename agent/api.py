@@ -28,7 +28,7 @@ from prometheus_client.registry import CollectorRegistry
 from agent import __version__
 from agent.attribution.store import AttributionStore
 from agent.state import AgentState, SamplerReport
-from exporters.prometheus import render
+from exporters.prometheus import ExpositionCache
 
 
 def sampler_state(r: SamplerReport) -> str:
@@ -99,11 +99,17 @@ def make_app(
         middlewares: aiohttp middlewares (the listener's
             :attr:`agent.listener.ConnectionCap.middleware`).
     """
+    cache = ExpositionCache(registry, state)
 
     async def metrics(request: web.Request) -> web.Response:
-        body, content_type = render(registry, request.headers.get("Accept"))
+        body, content_type, zipped = cache.get(
+            request.headers.get("Accept"), request.headers.get("Accept-Encoding")
+        )
         resp = web.Response(body=body)
         resp.headers["Content-Type"] = content_type
+        resp.headers["Vary"] = "Accept, Accept-Encoding"
+        if zipped:
+            resp.headers["Content-Encoding"] = "gzip"
         return resp
 
     async def healthz(_: web.Request) -> web.Response:

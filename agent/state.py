@@ -64,6 +64,7 @@ class AgentState:
         self._reports: dict[str, SamplerReport] = {}
         self._lock = threading.Lock()
         self._c = _Counters()
+        self._version = 0
         self._health: dict[str, Callable[[], Iterable[Sample]]] = {}
         self._listeners: list[Callable[[SamplerReport], None]] = []
 
@@ -91,10 +92,28 @@ class AgentState:
         with self._lock:
             return self._reports.get(sampler)
 
+    @property
+    def version(self) -> object:
+        """Changes whenever :meth:`samples` may yield something else; exporters cache on it.
+
+        Returns:
+            A value compared with ``==``: the count of publishes, removals and reloads, and
+            the exporters' health samples as they are now (read here: they change without
+            a publish); never equal to an earlier one when a health provider fails.
+        """
+        with self._lock:
+            health = list(self._health.values())
+            version = self._version
+        try:
+            return (version, tuple(s for provider in health for s in provider()))
+        except Exception:  # noqa: BLE001 - the rendering logs it; this one is not cached
+            return object()
+
     def publish(self, report: SamplerReport) -> None:
         """Store ``report`` as its sampler's latest and append its samples to the timeline."""
         with self._lock:
             self._reports[report.sampler] = report
+            self._version += 1
             if not report.ok:
                 self._c.failures[(report.sampler, report.reason or "error")] += 1
         if report.ok and report.batch is not None:
@@ -108,11 +127,13 @@ class AgentState:
         """Forget a sampler that was stopped (removed engine, reload)."""
         with self._lock:
             self._reports.pop(sampler, None)
+            self._version += 1
 
     def count_reload(self, result: str) -> None:
         """Count a SIGHUP reload with ``result`` ``ok`` or ``invalid``."""
         with self._lock:
             self._c.reloads[result] += 1
+            self._version += 1
 
     def count_unknown_sample(self) -> None:
         """Count a sample the exporter dropped because its name is not in the catalogue."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import threading
 from array import array
+from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Mapping
 
 from agent.samples import Labels, Sample
@@ -41,7 +42,7 @@ class Ring:
         capacity: the most points kept.
     """
 
-    __slots__ = ("_n", "_next", "_ts", "_vs", "capacity")
+    __slots__ = ("_n", "_next", "_ordered", "_ts", "_vs", "capacity")
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
@@ -49,9 +50,12 @@ class Ring:
         self._vs = array("d")
         self._next = 0
         self._n = 0
+        self._ordered = True  # timestamps never went backwards: points() can bisect
 
     def append(self, ts: float, value: float) -> None:
         """Add a point; ``ts`` is Unix time in seconds and should not go backwards."""
+        if self._n and ts < self._ts[(self._next - 1) % len(self._ts)]:
+            self._ordered = False  # a clock step back: points() scans (until reordered)
         if self._n < self.capacity:
             self._ts.append(ts)
             self._vs.append(value)
@@ -69,15 +73,31 @@ class Ring:
     def points(
         self, start: float = float("-inf"), end: float = float("inf")
     ) -> list[tuple[float, float]]:
-        """Return the points with ``start <= ts <= end``, oldest first."""
+        """Return the points with ``start <= ts <= end``, oldest first.
+
+        Cost: two binary searches and a slice per contiguous part of the ring (at most
+        two) while timestamps only went forward; a scan of every point otherwise.
+        """
         size = len(self._ts)
-        first = (self._next - self._n) % size if size else 0
-        out: list[tuple[float, float]] = []
-        for k in range(self._n):
-            i = (first + k) % size
-            t = self._ts[i]
-            if start <= t <= end:
-                out.append((t, self._vs[i]))
+        if not size:
+            return []
+        first = (self._next - self._n) % size
+        if not self._ordered:
+            out: list[tuple[float, float]] = []
+            for k in range(self._n):
+                i = (first + k) % size
+                t = self._ts[i]
+                if start <= t <= end:
+                    out.append((t, self._vs[i]))
+            return out
+        ts, vs = self._ts, self._vs
+        parts = [(first, size), (0, first)] if first else [(0, size)]
+        out = []
+        for lo, hi in parts:
+            a = bisect_left(ts, start, lo, hi)
+            b = bisect_right(ts, end, a, hi)
+            if a < b:
+                out.extend(zip(ts[a:b], vs[a:b], strict=True))
         return out
 
     def last(self) -> tuple[float, float] | None:
@@ -120,6 +140,7 @@ class Timeline:
         # Insertion order is the order of last writes: a write moves its series to the end,
         # so the front holds the series written least recently.
         self._series: dict[SeriesKey, Ring] = {}
+        self._by_name: dict[str, dict[Labels, Ring]] = {}  # the same rings, by metric name
         self._written: dict[SeriesKey, float] = {}
         self._lock = threading.Lock()
         self._last_sweep = float("-inf")
@@ -143,6 +164,7 @@ class Timeline:
                         continue
                     ring = Ring(self.points_per_series)
                     self._series[key] = ring
+                    self._by_name.setdefault(s.name, {})[s.labels] = ring
                 else:
                     del written[key]  # re-inserted below: now the most recently written
                 written[key] = ts
@@ -153,7 +175,7 @@ class Timeline:
         if oldest is None or now - self._written[oldest] < self.evict_after_s:
             return False
         del self._written[oldest]
-        del self._series[oldest]
+        self._drop(oldest)
         self.evicted_series += 1
         return True
 
@@ -164,9 +186,16 @@ class Timeline:
             if written[key] >= older_than:
                 break  # the rest were written later
             del written[key]
-            del self._series[key]
+            self._drop(key)
             n += 1
         return n
+
+    def _drop(self, key: SeriesKey) -> None:
+        del self._series[key]
+        same = self._by_name[key[0]]
+        del same[key[1]]
+        if not same:
+            del self._by_name[key[0]]
 
     def __len__(self) -> int:
         with self._lock:
@@ -194,9 +223,7 @@ class Timeline:
         want = tuple((match or {}).items())
         out: dict[Labels, list[tuple[float, float]]] = {}
         with self._lock:
-            for (n, labels), ring in self._series.items():
-                if n != name:
-                    continue
+            for labels, ring in self._by_name.get(name, {}).items():
                 ld = dict(labels)
                 if any(ld.get(k) != v for k, v in want):
                     continue

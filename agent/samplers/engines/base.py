@@ -220,6 +220,7 @@ class EngineSampler(Sampler):
         self._models: list[str] = []
         self._failing = ""
         self._stale = StaleTracker()
+        self._wanted: frozenset[str] | None = None
         self._pod_labels = pod_labels
         if engine_type != AUTO:
             self._set_type(engine_type)
@@ -276,7 +277,7 @@ class EngineSampler(Sampler):
         if res.reason or res.status is None:
             result = failed(res.reason or "transport")
         else:
-            result = classify_response(res.status, res.content_type, res.body)
+            result = classify_response(res.status, res.content_type, res.body, self._wanted)
         self._parse_errors += result.error_count
         self._log_parse_errors(result)
 
@@ -426,6 +427,8 @@ class EngineSampler(Sampler):
         # 0 for every capped label from the start: a real zero, not an absent count
         self._label_values_dropped = dict.fromkeys(self._normalizer.capped_labels, 0)
         self._addon = mapping.addon() if mapping.addon else None
+        # once the type is known, families its mapping never reads are skipped unparsed
+        self._wanted = mapping.reads() if mapping.implemented else None
 
     def _fetcher(self, deadline: float) -> Fetch:
         def fetch(path: str) -> HttpResult:

@@ -113,7 +113,7 @@ from agent.histograms import (
 )
 from agent.logs import RateLimitedLog
 from agent.samplers.base import LogOnce
-from agent.samplers.engines.exposition import ParsedFamily, ParseResult
+from agent.samplers.engines.exposition import ParsedFamily, ParseResult, wanted_families
 from agent.samplers.engines.http import Fetch
 from agent.samples import Batch, Sample, make_labels
 
@@ -436,13 +436,21 @@ class MetricIndex:
         self.duplicates = 0
         self.collapsed = 0
         latest: dict[tuple[str, LabelPairs], Series] = {}
+        per_process = False
         for fam in families:
             self.family_names.append(fam.name)
             for s in fam.samples:
-                key = (s.name, tuple(sorted(s.labels.items())))
+                labels = s.labels
+                key = (s.name, tuple(sorted(labels.items())))
                 if latest.pop(key, None) is not None:
                     self.duplicates += 1  # a repeated series: the last copy wins
-                latest[key] = Series(s.name, s.labels, s.value, fam)
+                latest[key] = Series(s.name, labels, s.value, fam)
+                if not per_process and any(k in labels for k in PER_PROCESS_LABELS):
+                    per_process = True
+        if not per_process:  # the common case: nothing to collapse
+            for series in latest.values():
+                self._add(series)
+            return
         groups: dict[tuple[str, LabelPairs], list[Series]] = {}
         for (name, pairs), series in latest.items():
             kept = tuple(p for p in pairs if p[0] not in PER_PROCESS_LABELS)
@@ -754,6 +762,9 @@ class EngineMapping:
         ratios: :class:`WindowRatio` rows computed from the rules' counters.
         reports_kv: False for KV-tier sources (LMCache, KVBM), which never report the
             device KV cache: no ``kv_cache`` source status is recorded for them.
+        derive_sources: the families ``derive`` reads (``MetricIndex.find`` names), so a
+            sampler can skip every family neither the rules nor ``derive`` read
+            (:meth:`reads`).
     """
 
     engine_type: str
@@ -766,9 +777,23 @@ class EngineMapping:
     implemented: bool = True
     ratios: tuple[WindowRatio, ...] = ()
     reports_kv: bool = True
+    derive_sources: tuple[str, ...] = ()
+
+    def reads(self) -> frozenset[str]:
+        """The family names a scrape must keep for this mapping (the rest can be skipped).
+
+        Returns:
+            :func:`~agent.samplers.engines.exposition.wanted_families` of every rule
+            source (label filters cut), :attr:`derive_sources` and
+            ``process_start_time_seconds`` (restart detection).
+        """
+        names = [parse_source(src)[0] for rule in self.rules for src in rule.sources]
+        return wanted_families([*names, *self.derive_sources, PROCESS_START_TIME])
 
 
 _BASE_LABELS: Final = frozenset({"engine", "instance", "model"})
+_LABEL_SETS_KEPT: Final = 16384
+"""Output label sets a normalizer keeps built (cleared when full)."""
 
 GroupKey = tuple[str, str | None, LabelPairs]
 """``(canonical, model, extra output labels)``: one output series."""
@@ -846,6 +871,7 @@ class Normalizer:
         }
         self._refused: dict[str, set[str]] = {}
         self._now = 0.0
+        self._label_sets: dict[tuple[str | None, LabelPairs], tuple[tuple[str, str], ...]] = {}
 
     @property
     def capped_labels(self) -> tuple[str, ...]:
@@ -1119,12 +1145,14 @@ class Normalizer:
     ) -> bool:
         """Window one histogram rule's series and emit its quantiles; True on a reset."""
         raw: dict[LabelPairs, list[tuple[float, float]]] = {}
+        scale = rule.scale
         for s in buckets:
-            le = _parse_le(s.labels.get("le"))
+            labels = dict(s.labels)
+            le = _parse_le(labels.pop("le", None))
             if le is None or not math.isfinite(s.value):
                 continue
-            key = tuple(sorted((k, v) for k, v in s.labels.items() if k != "le"))
-            raw.setdefault(key, []).append((le * rule.scale if math.isfinite(le) else le, s.value))
+            key = tuple(sorted(labels.items()))
+            raw.setdefault(key, []).append((le * scale if math.isfinite(le) else le, s.value))
         sum_of = {tuple(sorted(s.labels.items())): s.value for s in sums}
         reset_seen = False
         group_deltas: dict[tuple[str | None, LabelPairs], list[HistogramSnapshot | None]] = {}
@@ -1185,9 +1213,18 @@ class Normalizer:
         A ``_sum`` that cannot be true for latencies (negative, e.g. after an engine's sum
         went down between scrapes while its counts grew) is left out, never exported.
         """
+        if not self._admit_extra(extra):
+            return
+        bucket = f"{name}_bucket"
+        base = self._labels(model, extra)
+        emitted_labels = out.emitted_labels
         for bound, cum in zip(hist.bounds, hist.cumulative, strict=True):
-            le = "+Inf" if math.isinf(bound) else repr(float(bound))
-            self._emit(out, f"{name}_bucket", model, cum, (*extra, ("le", le)))
+            if not math.isfinite(cum):
+                continue
+            le = _le_label(bound)  # one label set per bucket: ``le`` added to the base
+            out.samples.append(Sample(bucket, float(cum), tuple(sorted((*base, ("le", le))))))
+            out.emitted.add((bucket, model))
+            emitted_labels.setdefault((*extra, ("le", le)), set()).add((bucket, model))
         self._emit(out, f"{name}_count", model, hist.count, extra)
         if hist.sum is not None and math.isfinite(hist.sum) and hist.sum >= 0:
             self._emit(out, f"{name}_sum", model, hist.sum, extra)
@@ -1346,6 +1383,28 @@ class Normalizer:
                 continue
             self._emit(out, d.canonical, model, d.value, d.labels)
 
+    def _labels(self, model: str | None, extra: LabelPairs) -> tuple[tuple[str, str], ...]:
+        """The output label set of ``model`` and ``extra`` (built once, then looked up)."""
+        key = (model, extra)
+        labels = self._label_sets.get(key)
+        if labels is None:
+            if len(self._label_sets) >= _LABEL_SETS_KEPT:
+                self._label_sets.clear()  # bounded: a churning label rebuilds, never grows
+            labels = make_labels(
+                {"engine": self.engine, "instance": self.instance, "model": model, **dict(extra)}
+            )
+            self._label_sets[key] = labels
+        return labels
+
+    def _admit_extra(self, extra: LabelPairs) -> bool:
+        """False (and the value counted as refused) when a capped label's value is refused."""
+        for name, label_value in extra:
+            cap = self._label_caps.get(name)
+            if cap is not None and not cap.admit(label_value, self._now):
+                self._refused.setdefault(name, set()).add(label_value)
+                return False
+        return True
+
     def _emit(
         self,
         out: NormalizedScrape,
@@ -1354,19 +1413,17 @@ class Normalizer:
         value: float,
         extra: LabelPairs = (),
     ) -> None:
-        if not math.isfinite(value):
+        if not math.isfinite(value) or not self._admit_extra(extra):
             return
-        for name, label_value in extra:
-            cap = self._label_caps.get(name)
-            if cap is not None and not cap.admit(label_value, self._now):
-                self._refused.setdefault(name, set()).add(label_value)
-                return
-        labels = make_labels(
-            {"engine": self.engine, "instance": self.instance, "model": model, **dict(extra)}
-        )
-        out.samples.append(Sample(canonical, float(value), labels))
+        out.samples.append(Sample(canonical, float(value), self._labels(model, extra)))
         out.emitted.add((canonical, model))
         out.emitted_labels.setdefault(extra, set()).add((canonical, model))
+
+
+@functools.lru_cache(maxsize=1024)
+def _le_label(bound: float) -> str:
+    """The ``le`` label value of an exported bucket bound (``+Inf`` for infinity)."""
+    return "+Inf" if math.isinf(bound) else repr(float(bound))
 
 
 @functools.lru_cache(maxsize=1024)

@@ -163,5 +163,6 @@ MAPPING = EngineMapping(
         _gpu("total"),
     ),
     derive=derive,
+    derive_sources=(KV_BLOCKS,),
 )
 """The Triton (TensorRT-LLM backend) :class:`~agent.samplers.engines.normalize.EngineMapping`."""

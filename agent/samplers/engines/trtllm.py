@@ -185,5 +185,11 @@ MAPPING = EngineMapping(
         *kvtiers.TIER_RULES,
     ),
     derive=derive,
+    derive_sources=(
+        "trtllm:kv_cache_max_blocks",
+        "trtllm:kv_cache_used_blocks",
+        "trtllm:kv_cache_free_blocks",
+        "trtllm:kv_cache_tokens_per_block",
+    ),
 )
 """The ``trtllm-serve`` :class:`~agent.samplers.engines.normalize.EngineMapping`."""

