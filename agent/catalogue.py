@@ -773,9 +773,10 @@ _ALL: tuple[Metric, ...] = (
         "kvpressure_engine_stats_stale",
         "gauge",
         "1",
-        "1 when the engine's statistics are stale: its prompt and generation token counters "
-        "have not moved for 30 s while its gauges claimed running requests or KV usage >= "
-        "90 % (vLLM keeps its last gauges after every request aborted); 0 otherwise. Then "
+        "1 when the engine's statistics are stale: neither its prompt and generation token "
+        "counters nor its running, KV usage and KV tokens gauges have changed for 30 s while "
+        "the gauges claimed running requests or KV usage >= 90 % (vLLM keeps its last "
+        "gauges after every request aborted); 0 otherwise. Then "
         "source stats is in error (reason stale) and attribution does not use its KV, queue "
         "and preemption metrics as evidence. Absent for an engine without token counters.",
         ("engine", "instance"),

@@ -254,6 +254,29 @@ def test_stale_tracker():
     assert t.update(171.0, scrape(101, 0, 0.99)) is True
 
 
+def test_stale_tracker_counts_moving_work_gauges_as_progress():
+    """llama-server adds generated tokens to its counter when a request ends: a long decode
+    freezes the counter while its KV usage grows every token; that is work, not staleness."""
+    from agent.samplers.engines.staleness import StaleTracker
+
+    t = StaleTracker(stale_after_s=30.0)
+
+    def scrape(tokens: float, running: float, kv: float, used: float) -> list[Sample]:
+        return [
+            Sample("kvpressure_engine_generation_tokens_total", tokens, L(model="m")),
+            Sample("kvpressure_engine_requests_running", running, L(model="m")),
+            Sample("kvpressure_engine_kv_cache_usage_ratio", kv, L(model="m")),
+            Sample("kvpressure_engine_kv_cache_used_tokens", used, L(model="m")),
+        ]
+
+    # 4 slots decoding for 60 s: counter frozen at 500, KV used growing ~10 tokens/s
+    for i in range(61):
+        assert t.update(float(i), scrape(500, 4, 0.05 + i * 0.001, 400 + 10 * i)) is False
+    # the same numbers scrape after scrape under claimed work: stale after 30 s
+    for i in range(61, 92):
+        assert t.update(float(i), scrape(500, 4, 0.12, 1010)) is (i - 61 >= 30)
+
+
 VLLM_FROZEN = """# TYPE vllm:num_requests_running gauge
 vllm:num_requests_running{model_name="m"} 57
 # TYPE vllm:num_requests_waiting gauge
