@@ -770,6 +770,20 @@ _ALL: tuple[Metric, ...] = (
         "engine",
     ),
     _m(
+        "kvpressure_engine_stats_stale",
+        "gauge",
+        "1",
+        "1 when the engine's statistics are stale: neither its prompt and generation token "
+        "counters nor its running, KV usage and KV tokens gauges have changed for 30 s while "
+        "the gauges claimed running requests or KV usage >= 90 % (vLLM keeps its last "
+        "gauges after every request aborted); 0 otherwise. Then "
+        "source stats is in error (reason stale) and attribution does not use its KV, queue "
+        "and preemption metrics as evidence. Absent for an engine without token counters.",
+        ("engine", "instance"),
+        "",
+        "engine",
+    ),
+    _m(
         "kvpressure_engine_kv_cache_usage_ratio",
         "gauge",
         "ratio",
@@ -1341,8 +1355,11 @@ _ALL: tuple[Metric, ...] = (
         "kvpressure_slow_requests_total",
         "counter",
         "1",
-        "Slow requests (TTFT, else e2e, above min(SLO, rolling baseline tail)) by primary "
-        "cause: memory, storage, network, compute, engine_restart, gpu_fault or unknown "
+        "Slow requests (a phase, queue, prefill, TTFT, time per output token or longest "
+        "inter-token gap, above the fitted cost of a request of its size on the engine; while "
+        "the fit warms up, TTFT/TPOT/e2e above its SLO) by primary cause: memory, storage, "
+        "network, concurrency, prefill_interference, compute, engine_restart, gpu_fault or "
+        "unknown "
         "(agent/attribution).",
         ("engine", "cause"),
         "",
@@ -1575,6 +1592,7 @@ ENGINE_LABEL_VALUES_DROPPED_TOTAL: Final = "kvpressure_engine_label_values_dropp
 ENGINE_GPU_MEMORY_USED_BYTES: Final = "kvpressure_engine_gpu_memory_used_bytes"
 ENGINE_GPU_MEMORY_TOTAL_BYTES: Final = "kvpressure_engine_gpu_memory_total_bytes"
 ENGINE_COUNTERS_WITHHELD: Final = "kvpressure_engine_counters_withheld"
+ENGINE_STATS_STALE: Final = "kvpressure_engine_stats_stale"
 ENGINE_KV_CACHE_USAGE_RATIO: Final = "kvpressure_engine_kv_cache_usage_ratio"
 ENGINE_KV_CACHE_USED_TOKENS: Final = "kvpressure_engine_kv_cache_used_tokens"
 ENGINE_KV_CACHE_CAPACITY_TOKENS: Final = "kvpressure_engine_kv_cache_capacity_tokens"
@@ -1725,6 +1743,7 @@ SampleName = Literal[
     "kvpressure_engine_gpu_memory_used_bytes",
     "kvpressure_engine_gpu_memory_total_bytes",
     "kvpressure_engine_counters_withheld",
+    "kvpressure_engine_stats_stale",
     "kvpressure_engine_kv_cache_usage_ratio",
     "kvpressure_engine_kv_cache_used_tokens",
     "kvpressure_engine_kv_cache_capacity_tokens",

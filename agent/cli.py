@@ -46,6 +46,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
         )
         if v
     }
+    # logfmt from the first line: loading the config may already warn (a deprecated key);
+    # the config's own level applies once it is read
+    logs.setup(args.log_level or "info")
     try:
         cfg: Config = (
             load(args.config, overrides)

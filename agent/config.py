@@ -283,14 +283,20 @@ class OtlpReceiverConfig(_Model):
 class AttributionConfig(_Model):
     """Slow-request detection and cause attribution (``agent/attribution/``).
 
-    A request is slow when its TTFT (else end-to-end latency) exceeds
-    ``min(slo, max(baseline_factor x p<baseline_quantile> of the engine's last
-    baseline_requests non-slow requests, baseline_floor_s))``; before
-    ``baseline_min_requests`` are known only the SLO applies.
+    A request is slow when one of its phases (queue, prefill per uncached prompt token,
+    time per output token, longest inter-token gap) costs more than a request of its size
+    costs on this engine now: above ``max(baseline_factor x p<baseline_quantile> of the
+    ratio value/expected, 1 + baseline_floor_s/expected) x expected``, the expected cost
+    being a robust fit over the engine's last ``baseline_requests`` requests whose phase
+    was not slow; or when its TTFT, TPOT or (without a TTFT) end-to-end latency exceeds
+    its SLO. Before ``baseline_min_requests`` are known only the SLOs apply
+    (``agent/attribution/detector.py``).
 
     Attributes:
         slo_ttft_s: TTFT objective, seconds.
         slo_e2e_s: end-to-end objective for requests without a TTFT, seconds.
+        slo_tpot_s: time-per-output-token objective (decode seconds per token after the
+            first), seconds.
         baseline_quantile: tail quantile of the rolling baseline.
         baseline_factor: multiplier on that quantile.
         baseline_requests: requests kept per engine and phase for the baseline.
@@ -311,7 +317,8 @@ class AttributionConfig(_Model):
 
     slo_ttft_s: Seconds = Field(default=2.0, gt=0, le=3600)
     slo_e2e_s: Seconds = Field(default=30.0, gt=0, le=86400)
-    baseline_quantile: float = Field(default=0.95, gt=0, lt=1)
+    slo_tpot_s: Seconds = Field(default=0.5, gt=0, le=3600)
+    baseline_quantile: float = Field(default=0.99, gt=0, lt=1)
     baseline_factor: float = Field(default=1.5, ge=1, le=100)
     baseline_requests: int = Field(default=500, ge=10, le=100_000)
     baseline_min_requests: int = Field(default=30, ge=1, le=100_000)

@@ -8,19 +8,24 @@ or a proxy that saw ``traceparent``), the span is a child of the source span
 (``span_parent: link``). Attributes:
 
 =================================== =========================================================
-``kvpressure.cause``                primary cause (memory, storage, network, compute,
-                                    gpu_fault, engine_restart, unknown)
+``kvpressure.cause``                primary cause (memory, storage, network, concurrency,
+                                    prefill_interference, compute, gpu_fault,
+                                    engine_restart, unknown)
 ``kvpressure.score.<cause>``        score of every cause, 0-1
 ``kvpressure.evidence``             JSON list of the evidence: signal, metric, value,
                                     threshold, saturation, score, unit, labels
 ``kvpressure.evidence.<signal>``    the observed value of each piece of evidence
-``kvpressure.unassessed``           what could not be assessed (``engine_metrics``)
+``kvpressure.unassessed``           what could not be assessed (``engine_metrics``,
+                                    ``engine_metrics_stale``)
 ``kvpressure.gpu.xid``              the XID code of a GPU fault
-``kvpressure.latency.phase``        ``ttft`` or ``e2e``, and ``kvpressure.latency_s``,
-                                    ``kvpressure.threshold_s``, ``kvpressure.threshold.basis``
+``kvpressure.latency.phase``        the slowest phase (``queue``, ``prefill``, ``ttft``,
+                                    ``tpot``, ``itl_max``, ``e2e``), and
+                                    ``kvpressure.latency_s``, ``kvpressure.threshold_s``,
+                                    ``kvpressure.threshold.basis``
+``kvpressure.slow_phases``          every slow phase, slowest first
 ``kvpressure.engine``, ``kvpressure.outcome``
 ``gen_ai.request.model``, ``gen_ai.usage.input_tokens``, ``gen_ai.usage.output_tokens``,
-``gen_ai.latency.time_to_first_token`` or ``gen_ai.latency.e2e``
+``gen_ai.latency.time_to_first_token`` (phase ``ttft``), ``gen_ai.latency.e2e`` (``e2e``)
 =================================== =========================================================
 
 Metrics: every ``otlp_export.interval_s`` the current :class:`~agent.state.AgentState`
@@ -191,8 +196,11 @@ def span_attributes(a: Attribution) -> dict[str, AttributeValue]:
         attrs["gen_ai.usage.input_tokens"] = a.input_tokens
     if a.output_tokens is not None:
         attrs["gen_ai.usage.output_tokens"] = a.output_tokens
-    key = "gen_ai.latency.time_to_first_token" if a.phase == "ttft" else "gen_ai.latency.e2e"
-    attrs[key] = a.latency_s
+    if a.slow_phases:
+        attrs["kvpressure.slow_phases"] = [p[0] for p in a.slow_phases]
+    key = {"ttft": "gen_ai.latency.time_to_first_token", "e2e": "gen_ai.latency.e2e"}
+    if a.phase in key:
+        attrs[key[a.phase]] = a.latency_s
     return attrs
 
 

@@ -48,8 +48,12 @@ class Synth:
         return Signals.from_points(self.points)
 
 
-def scope(record: RequestRecord | None = None) -> Scope:
-    return Scope(ENG, T + 10, T + 14, 2.0, record)
+def scope(record: RequestRecord | tuple | None = None,
+          neighbours: tuple[RequestRecord, ...] = ()) -> Scope:  # fmt: skip
+    """The case scope; ``record`` may be ``(record, neighbours)``."""
+    if isinstance(record, tuple):
+        record, neighbours = record
+    return Scope(ENG, T + 10, T + 14, 2.0, record, neighbours)
 
 
 def rec(**kw: object) -> RequestRecord:
@@ -58,7 +62,8 @@ def rec(**kw: object) -> RequestRecord:
     return RequestRecord(**base)  # type: ignore[arg-type]
 
 
-def run(s: Synth, record: RequestRecord | None = None, params: Params | None = None):
+def run(s: Synth, record: RequestRecord | tuple | None = None, params: Params | None = None):
+    """Evaluate; ``record`` may be ``(record, neighbours)``."""
     return evaluate(s.signals(), scope(record), params or Params())
 
 
@@ -73,6 +78,10 @@ def slots(s: Synth, busy: Callable[[float], float], waiting: Callable[[float], f
     return s.add("kvpressure_engine_requests_waiting", waiting, engine=ENG)
 
 
+def kv(s: Synth, usage: float) -> Synth:
+    return s.gauge("kvpressure_engine_kv_cache_usage_ratio", usage, engine=ENG)
+
+
 PSI = "kvpressure_psi_stall_seconds_total"
 CG_USED = "kvpressure_cgroup_memory_used_bytes"
 CG_LIMIT = "kvpressure_cgroup_memory_limit_bytes"
@@ -81,9 +90,23 @@ CG_EVENTS = "kvpressure_cgroup_memory_events_total"
 # (case id, rule, cause, build timeline, record, expected value, expected score)
 CASES: list[tuple[str, str, str, Callable[[], Synth], RequestRecord | None, float, float]] = [
     ("queue_full_all_samples", "queue_while_full", "memory",
-     lambda: slots(Synth(), lambda k: 4, lambda k: 3), None, 1.0, 1.0),
+     lambda: slots(kv(Synth(), 0.95), lambda k: 4, lambda k: 3), None, 1.0, 1.0),
     ("queue_full_2_of_7_samples", "queue_while_full", "memory",
-     lambda: slots(Synth(), lambda k: 4, lambda k: 2 if k in (9, 10) else 0), None, 2 / 7, 4 / 7),
+     lambda: slots(kv(Synth(), 0.95), lambda k: 4, lambda k: 2 if k in (9, 10) else 0), None,
+     2 / 7, 4 / 7),
+    ("queue_at_slot_cap", "queue_at_cap", "concurrency",
+     lambda: slots(kv(Synth(), 0.06), lambda k: 4, lambda k: 3), None, 1.0, 0.8),
+    ("queue_at_running_cap", "queue_at_cap", "concurrency",
+     lambda: kv(Synth(), 0.3).gauge("kvpressure_engine_requests_running", 8, engine=ENG)
+     .add("kvpressure_engine_requests_waiting", lambda k: 2 if k in (9, 10) else 0, engine=ENG),
+     None, 2 / 7, 0.8 * 4 / 7),
+    # a 3,000-token prompt prefilled over [T+8, T+11.6] covers 1.6 s of the 4 s scope; a
+    # 150-token one (not 2x this request's 100) and one after the scope do not count
+    ("prefill_interference", "prefill_interference", "prefill_interference",
+     Synth, (rec(input_tokens=100, ttft_s=4.0),
+             (rec(start=T + 8, end=T + 20, input_tokens=3000, ttft_s=3.6),
+              rec(start=T + 10, end=T + 12, input_tokens=150, ttft_s=1.0),
+              rec(start=T + 15, end=T + 20, input_tokens=5000, ttft_s=3.0))), 0.4, 0.5),
     ("queue_while_kv_full", "queue_while_full", "memory",
      lambda: Synth().gauge("kvpressure_engine_kv_cache_usage_ratio", 0.95, engine=ENG)
      .gauge("kvpressure_engine_requests_waiting", 5, engine=ENG), None, 1.0, 1.0),

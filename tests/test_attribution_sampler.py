@@ -50,7 +50,7 @@ def L(**kw: str):
 
 
 def incident_timeline(lo: int = -40, hi: int = 60) -> Timeline:
-    """Memory incident (all 4 slots busy, 3 waiting) over [T+10, T+20]; CPU contention
+    """Memory incident (all 4 slots busy, KV 97 %, 3 waiting) over [T+10, T+20]; CPU contention
     (PSI cpu some 0.9 s/s) over [T+20, T+40]; otherwise calm."""
     tl = Timeline(4096, 1000)
     cpu_total = {"v": 0.0}
@@ -67,6 +67,8 @@ def incident_timeline(lo: int = -40, hi: int = 60) -> Timeline:
             lambda k: 4.0 if 10 <= k <= 20 else 1.0,
         ("kvpressure_engine_requests_waiting", L(engine=ENG)):
             lambda k: 3.0 if 10 <= k <= 20 else 0.0,
+        ("kvpressure_engine_kv_cache_usage_ratio", L(engine=ENG)):
+            lambda k: 0.97 if 10 <= k < 20 else 0.2,
         (PSI, L(resource="cpu", kind="some", scope="system")): cpu,
     })  # fmt: skip
     return tl
@@ -164,6 +166,7 @@ def test_restart_outranks_the_queue_it_causes():
         ("kvpressure_engine_slots", L(engine=ENG, state="total")): lambda k: 4.0,
         ("kvpressure_engine_slots", L(engine=ENG, state="processing")): lambda k: 4.0,
         ("kvpressure_engine_requests_waiting", L(engine=ENG)): lambda k: 5.0,
+        ("kvpressure_engine_kv_cache_usage_ratio", L(engine=ENG)): lambda k: 0.99,
     })  # fmt: skip
     s, stream, _, store = make(tl, T + 30)
     stream.submit(req(12, 16, 5.0))

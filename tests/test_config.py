@@ -124,3 +124,35 @@ def test_check_config_accepts_a_proxy_on_another_port(tmp_path):
     )
     r = _cli("check-config", str(cfg))
     assert r.returncode == 0, r.stderr
+
+
+def test_a_deprecation_warning_at_start_is_a_logfmt_line(tmp_path):
+    """The config is read before the daemon starts; what it warns about is logged as every
+    other line is (README: logs are single logfmt lines on stderr), not as a bare message."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = tmp_path / "old.yaml"
+    cfg.write_text(
+        f"listen: 127.0.0.1:{port}\ndiscovery: {{enabled: false}}\nattribution: {{enabled: true}}\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "agent.cli", "run", "--config", str(cfg)],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    lines: list[str] = []
+    try:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            lines.append(line)
+            if "kvpressure starting" in line:
+                break
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+    (warning,) = [line for line in lines if "deprecated" in line]
+    assert warning.startswith("ts=") and " level=warning " in warning, warning
+    assert 'msg="attribution.enabled is deprecated; use samplers.attribution.enabled"' in warning

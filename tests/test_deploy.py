@@ -547,8 +547,11 @@ def test_readme_secret_recipe_serves_tls_and_basic_auth(tmp_path: Path):
     (kubectl,) = [line for line in lines if line.startswith("kubectl ")]
     script = "\n".join(line for line in lines if line != kubectl)
     script += '\nprintf %s "$PASSWORD" > password\n'
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    subprocess.run(["bash", "-euc", script], cwd=tmp_path, check=True, timeout=120, env=env)
+    # the recipe runs in a checkout, with the project's venv (bcrypt is its dependency, not
+    # the system Python's): point its `.venv/bin/python` at this one; PATH stays the user's
+    assert ".venv/bin/python -c 'import bcrypt" in script
+    script = script.replace(".venv/bin/python", sys.executable)
+    subprocess.run(["bash", "-euc", script], cwd=tmp_path, check=True, timeout=120)
     for f in re.findall(r"--from-file=([\w.-]+)", kubectl):
         assert (tmp_path / f).is_file(), f
     password = (tmp_path / "password").read_text()

@@ -214,7 +214,12 @@ def test_llamacpp_load_capture_golden(stub: EngineStub, samplers: list[EngineSam
     assert value(batch, "kvpressure_engine_prompt_seconds_total", **m) == 1.09625
     assert value(batch, "kvpressure_engine_generation_seconds_total", **m) == 3.81729
     assert value(batch, "kvpressure_engine_info", type="llamacpp", **m) == 1
-    assert sources(batch) == {"metrics": ("ok", ""), "props": ("ok", ""), "slots": ("ok", "")}
+    assert sources(batch) == {
+        "metrics": ("ok", ""),
+        "props": ("ok", ""),
+        "slots": ("ok", ""),
+        "stats": ("ok", ""),
+    }
     assert_catalogued(batch)
     check_golden(batch, s.instance, "llamacpp_load.txt")
 
@@ -259,7 +264,7 @@ def test_vllm_capture_golden(stub: EngineStub, samplers: list[EngineSampler], st
     else:
         assert value(batch, "kvpressure_engine_kv_cache_usage_ratio", **m) == 0.0
     assert value(batch, "kvpressure_engine_parse_errors_total") == 0
-    assert sources(batch) == {"metrics": ("ok", "")}
+    assert sources(batch) == {"metrics": ("ok", ""), "stats": ("ok", "")}
     assert stub.hits["/slots"] == 0  # vLLM has no add-on
     assert_catalogued(batch)
     check_golden(batch, s.instance, f"vllm_{state}.txt")

@@ -58,6 +58,7 @@ def make_sampler(
         cfg.baseline_requests,
         cfg.baseline_min_requests,
         cfg.baseline_floor_s,
+        cfg.slo_tpot_s,
     )
     params = Params(dict(cfg.thresholds), cfg.cold_start_s, cfg.min_score)
     attributor = Attributor(params, cfg.lead_in_s, cfg.min_score)

@@ -1,31 +1,129 @@
-"""Slow-request detection: the configured SLO or the rolling baseline tail, whichever is lower.
+"""Slow-request detection: each phase of a request against what a request of its size costs.
 
-A request is judged on its TTFT, or on its end-to-end latency where TTFT is unknown (non-
-streaming requests, spans without a first-token time). For engine ``e`` and phase ``p``::
+A request is judged phase by phase. For each phase the detector keeps, per engine, an
+online robust fit of the phase's cost against the request's size, over recent requests
+whose phase was not slow (the idea of LatencyPrism, arXiv 2601.09258: flag the residual,
+not the raw latency):
 
-    baseline(e, p) = max(baseline_factor x quantile_q(last N latencies), baseline_floor_s)
-    threshold(e, p) = min(slo_p, baseline(e, p))   once >= baseline_min_requests are known
-                    = slo_p                          before (warm-up)
-    slow            = latency > threshold(e, p)
+========= ======================================= =========================================
+phase     value (seconds)                          size ``x`` the cost is fitted against
+========= ======================================= =========================================
+queue     ``queue_s`` (engine-reported wait)       none (a rolling tail)
+prefill   ``prefill_s`` (engine-reported)        uncached prompt tokens: ``input_tokens``
+                                                   minus ``cached_tokens`` where known
+ttft      TTFT (queue, prefill and transport:      the same uncached prompt tokens
+          every streaming source has it)
+tpot      decode seconds per output token after    the engine's batch size over the decode
+          the first: ``decode_s`` or               (mean ``kvpressure_engine_requests_
+          ``e2e_s - ttft_s``, / (output - 1)       running``), given by the caller
+itl_max   the longest inter-token gap (streams)    the same batch size
+e2e       ``e2e_s`` of requests without a TTFT     output tokens where known
+========= ======================================= =========================================
 
-Defaults: ``q = 0.95``, ``baseline_factor = 1.5``, ``N = 500``, ``baseline_min_requests =
-30``, ``baseline_floor_s = 0.05``, ``slo_ttft_s = 2.0``, ``slo_e2e_s = 30.0``.
+The fit (:class:`CostModel`) is Theil-Sen: the slope is the median of the pairwise slopes
+between points whose sizes differ by at least a factor 2, between 0 and the median cost per
+unit of size; the intercept is the median residual. A workload of one size says nothing
+about the slope: token-sized phases then scale with the tokens (the per-token rate of the
+requests seen, so a 3,000-token prompt after 100-token ones is expected to cost 30 times
+theirs), batch-sized ones stay constant (a decode that slows as the batch grows is then
+slow until larger batches have been seen not to be). For a request of size ``x``::
 
-The factor keeps the baseline from flagging the ordinary 5 % above the p95 (a plain p95
-threshold flags 5 % of a calm workload by definition); the floor keeps millisecond jitter on
-a fast engine from counting as slow.
+    expected(x)  = intercept + slope x                       (at least 1 microsecond)
+    ratio_i      = value_i / expected(x_i)                    over the fitted points
+    threshold(x) = max(factor x quantile_q'(ratio) x expected(x), expected(x) + floor_s)
+    q'           = min(q, 1 - 3 / n)                         (n fitted points)
+    slow         = value > threshold(x)                       once >= min_requests are known
 
-Only requests that completed (``outcome == "ok"``) and were not slow feed the baseline, so
-a long incident does not become the new normal; a lasting change to slower traffic is still
-bounded by the SLO.
+so a 3,000-token prompt prefilled at the usual per-token rate is not slow, and a decode at
+45x the usual time per token is, whatever its TTFT. The SLOs (TTFT above ``slo_ttft_s``,
+TPOT above ``slo_tpot_s``, end-to-end above ``slo_e2e_s`` for requests without a TTFT)
+judge a phase while its fit is warming up (fewer than ``min_requests`` points); after that
+a request that misses an SLO only because it is large is not slow (a long prompt on a slow
+engine misses the TTFT SLO at the engine's usual per-token rate: the remedy is capacity,
+not an incident), and the miss is reported in :attr:`Verdict.slo_missed`
+(``kvpressure explain`` counts such requests).
+
+Defaults: ``q = 0.99``, ``factor = 1.5``, ``N = 500`` points per engine and phase (the line
+is fitted through the latest 96, the ratio quantile is over all), ``min_requests = 30``,
+``floor_s = 0.05`` (for TPOT the floor is on the whole decode, ``floor_s / (output - 1)``
+per token; 0.02 for the longest gap), ``slo_ttft_s = 2.0``, ``slo_tpot_s = 0.5``,
+``slo_e2e_s = 30.0``.
+
+``q`` is higher than the single-latency baseline's usual p95: up to six phases of every
+request are judged, and a request is slow when any one is, so each phase's tail must be
+rarer for the requests' false-slow rate to stay at a few per cent (a calm mixed-length
+workload, where a short request now and then waits behind a long prefill, must not read
+as an incident).
+
+Only requests that completed (``outcome == "ok"``) feed a phase's fit, and only when that
+phase was not slow against the fit and did not miss its SLO, so a long incident does not
+become the new normal, and an incident the fit misses cannot teach it values past the
+SLO.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass
 
 from agent.requests.record import RequestRecord
+
+PHASES: tuple[str, ...] = ("queue", "prefill", "ttft", "tpot", "itl_max", "e2e")
+"""Phases a verdict can name."""
+
+FIT_POINTS = 96
+"""Most recent points the line is fitted through (Theil-Sen is quadratic in them); the
+ratios whose quantile sets the threshold are taken over every point kept."""
+
+REFIT_EVERY = 32
+"""A fit is recomputed after this many new points (after every one while it has fewer
+than FIT_POINTS), so its cost stays bounded at any request rate."""
+
+MIN_SIZE_RATIO = 2.0
+"""Pairs whose sizes differ by less than this factor give no slope: prompts of 45 and 60
+tokens differ mostly by noise, and a slope fitted on such pairs extrapolates wildly."""
+
+TAIL_POINTS = 3
+"""Points kept above the tail quantile: ``q`` falls to ``1 - 3/n`` while ``n`` is small."""
+
+TOKEN_SIZED = frozenset({"prefill", "ttft", "e2e"})
+"""Phases whose size is a token count (cost proportional to it when only one size is seen)."""
+
+TPOT_FLOOR_S = 0.02
+"""Absolute floor of the longest inter-token gap's threshold above the expected value."""
+
+
+@dataclass(frozen=True, slots=True)
+class PhaseVerdict:
+    """The judgement of one phase of a request.
+
+    Attributes:
+        phase: one of :data:`PHASES`.
+        value_s: the phase's value, seconds (per token for ``tpot``).
+        threshold_s: the value above which the phase is slow.
+        basis: ``slo`` (an absolute objective) or ``baseline`` (the fitted cost of a request
+            of this size on this engine).
+        expected_s: the fitted cost, ``None`` for an SLO.
+        size: the size the cost was fitted against (tokens or batch size), ``None`` when
+            unknown.
+        start: start of the phase's time span, Unix seconds.
+        end: end of the phase's time span.
+    """
+
+    phase: str
+    value_s: float
+    threshold_s: float
+    basis: str
+    expected_s: float | None
+    size: float | None
+    start: float
+    end: float
+
+    @property
+    def excess(self) -> float:
+        """``value / threshold``: how far over (> 1) or under its threshold the phase is."""
+        return self.value_s / self.threshold_s if self.threshold_s > 0 else math.inf
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,12 +131,19 @@ class Verdict:
     """Whether one request was slow, and why that was decided.
 
     Attributes:
-        slow: latency exceeded the threshold.
-        phase: ``ttft`` or ``e2e``.
-        latency_s: the latency judged.
+        slow: at least one phase exceeded its threshold.
+        phase: the slowest phase (largest value/threshold) when slow; else ``ttft`` or
+            ``e2e``, the latency the request is summarised by.
+        latency_s: that phase's value.
         threshold_s: the threshold it was compared to.
-        basis: ``slo`` when the SLO was the lower (or the only) threshold, else
-            ``baseline``.
+        basis: ``slo`` or ``baseline`` (see :class:`PhaseVerdict`); ``slo`` before warm-up.
+        slow_phases: every slow phase, slowest first.
+        start: start of the time span of the slow phases (the request's start when none).
+        end: end of that span (the request's end when none).
+        slo_missed: phases (``ttft``, ``tpot``, ``e2e``) above their SLO, slow or not: once
+            a phase's fit is known a request that misses the SLO only because it is long
+            (its phase within the fitted cost of its size) is not slow, but the miss is
+            still reported.
     """
 
     slow: bool
@@ -46,6 +151,15 @@ class Verdict:
     latency_s: float
     threshold_s: float
     basis: str
+    slow_phases: tuple[PhaseVerdict, ...] = ()
+    start: float | None = None
+    end: float | None = None
+    slo_missed: tuple[str, ...] = ()
+
+    @property
+    def phases(self) -> tuple[str, ...]:
+        """Names of the slow phases, slowest first."""
+        return tuple(p.phase for p in self.slow_phases)
 
 
 def quantile(sorted_values: list[float], q: float) -> float:
@@ -62,90 +176,262 @@ def quantile(sorted_values: list[float], q: float) -> float:
     return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
 
 
-class _Baseline:
-    """Last N latencies; the quantile is recomputed only after a change (O(N log N))."""
+def _median(values: list[float]) -> float:
+    return quantile(sorted(values), 0.5)
 
-    __slots__ = ("_cached", "values")
 
-    def __init__(self, size: int) -> None:
-        self.values: deque[float] = deque(maxlen=size)
-        self._cached: float | None = None
+def theil_sen(points: list[tuple[float, float]], proportional: bool = False) -> tuple[float, float]:
+    """Robust line ``y = intercept + slope x`` through ``points`` (``(x, y)`` pairs).
 
-    def add(self, v: float) -> None:
-        self.values.append(v)
-        self._cached = None
+    The slope is the median of the slopes of every pair whose ``x`` differ by at least a
+    factor :data:`MIN_SIZE_RATIO`, never negative (a cost does not fall with size) and never
+    above the median of ``y / x`` (a cost that is not negative at size 0 does not rise
+    faster than that; this bounds the extrapolation to larger sizes); the intercept is the
+    median of ``y - slope x``, at least 0. When no pair differs that much (every
+    request of about one size) the slope cannot be told from the points: with
+    ``proportional`` the cost is taken as proportional to the size (slope the median of
+    ``y / x``, intercept 0: the per-token rate of the requests seen), else constant (slope
+    0). Quadratic in ``len(points)``.
 
-    def quantile(self, q: float) -> float:
-        if self._cached is None:
-            self._cached = quantile(sorted(self.values), q)
-        return self._cached
+    Returns:
+        ``(intercept, slope)``.
+
+    Raises:
+        ValueError: ``points`` is empty.
+    """
+    if not points:
+        raise ValueError("fit of no points")
+    slopes: list[float] = []
+    n = len(points)
+    for i in range(n):
+        xi, yi = points[i]
+        for j in range(i + 1, n):
+            xj, yj = points[j]
+            lo, hi = min(xi, xj), max(xi, xj)
+            if hi > 0 and hi >= MIN_SIZE_RATIO * lo:
+                slopes.append((yj - yi) / (xj - xi))
+    rates = [y / x for x, y in points if x > 0]
+    rate = max(0.0, _median(rates)) if rates else None
+    if not slopes and proportional and rate is not None:
+        return 0.0, rate
+    slope = max(0.0, _median(slopes)) if slopes else 0.0
+    if rate is not None:
+        slope = min(slope, rate)  # a line with a cost >= 0 at size 0 rises no faster
+    intercept = max(0.0, _median([y - slope * x for x, y in points]))
+    return intercept, slope
+
+
+class CostModel:
+    """Online robust fit of one phase's cost against a request's size (one engine).
+
+    Args:
+        size: points kept (``N``); the line is fitted through the latest
+            :data:`FIT_POINTS`, the ratios are over all of them.
+        proportional: the size is a token count, so a cost seen only at one size scales
+            with the size (see :func:`theil_sen`); not for batch sizes, where that would
+            excuse any decode slowdown under load.
+    """
+
+    __slots__ = ("_fit", "_since_fit", "points", "proportional")
+
+    def __init__(self, size: int, proportional: bool = False) -> None:
+        self.proportional = proportional
+        self.points: deque[tuple[float, float]] = deque(maxlen=size)
+        self._fit: tuple[float, float, list[float]] | None = None
+        self._since_fit = 0
+
+    def add(self, x: float, y: float) -> None:
+        """Learn one not-slow observation: size ``x``, value ``y`` seconds."""
+        self.points.append((x, y))
+        self._since_fit += 1
+
+    def _model(self) -> tuple[float, float, list[float]]:
+        due = self._since_fit >= REFIT_EVERY or (
+            self._since_fit > 0 and len(self.points) <= FIT_POINTS
+        )
+        if self._fit is None or due:
+            pts = list(self.points)
+            a, b = theil_sen(pts[-FIT_POINTS:], self.proportional)
+            ratios = sorted(y / max(a + b * x, 1e-6) for x, y in pts)
+            self._fit = (a, b, ratios)
+            self._since_fit = 0
+        return self._fit
+
+    def expected(self, x: float) -> float:
+        """Fitted cost of size ``x``, seconds (at least 1 microsecond).
+
+        Raises:
+            ValueError: no point learnt yet.
+        """
+        a, b, _ = self._model()
+        return max(a + b * x, 1e-6)
+
+    def threshold(self, x: float, q: float, factor: float, floor_s: float) -> tuple[float, float]:
+        """Return ``(threshold, expected)`` for size ``x`` (formula in the module docstring).
+
+        The quantile is ``min(q, 1 - TAIL_POINTS / n)`` of the ``n`` ratios: a tail quantile
+        of few points is set by one outlier, so it keeps :data:`TAIL_POINTS` above it.
+
+        Raises:
+            ValueError: no point learnt yet.
+        """
+        _, _, ratios = self._model()
+        exp = self.expected(x)
+        qq = min(q, 1.0 - TAIL_POINTS / len(ratios))
+        return max(factor * quantile(ratios, max(qq, 0.5)) * exp, exp + floor_s), exp
 
 
 class SlowDetector:
-    """Judges requests slow against the SLO and a per-engine, per-phase rolling baseline.
+    """Judges each phase of a request against its fitted cost and the SLOs.
 
     Not thread-safe: the attribution sampler owns it.
 
     Args:
         slo_ttft_s: TTFT objective, seconds.
         slo_e2e_s: end-to-end objective for requests without a TTFT, seconds.
-        baseline_quantile: the tail quantile ``q`` of the baseline.
+        baseline_quantile: the tail quantile ``q`` of the fitted ratios.
         baseline_factor: multiplier on that quantile.
-        baseline_requests: ``N``, requests kept per engine and phase.
-        baseline_min_requests: requests needed before the baseline applies.
-        baseline_floor_s: lowest baseline threshold, seconds.
+        baseline_requests: ``N``, points kept per engine and phase.
+        baseline_min_requests: points needed before a phase's fit applies.
+        baseline_floor_s: lowest margin of a threshold above the expected cost, seconds.
+        slo_tpot_s: time-per-output-token objective, seconds.
     """
 
     def __init__(
         self,
         slo_ttft_s: float = 2.0,
         slo_e2e_s: float = 30.0,
-        baseline_quantile: float = 0.95,
+        baseline_quantile: float = 0.99,
         baseline_factor: float = 1.5,
         baseline_requests: int = 500,
         baseline_min_requests: int = 30,
         baseline_floor_s: float = 0.05,
+        slo_tpot_s: float = 0.5,
     ) -> None:
-        self.slo = {"ttft": slo_ttft_s, "e2e": slo_e2e_s}
+        self.slo = {"ttft": slo_ttft_s, "e2e": slo_e2e_s, "tpot": slo_tpot_s}
         self.q = baseline_quantile
         self.factor = baseline_factor
         self.size = baseline_requests
         self.min_requests = baseline_min_requests
         self.floor = baseline_floor_s
-        self._base: dict[tuple[str, str], _Baseline] = {}
+        self._models: dict[tuple[str, str], CostModel] = {}
 
-    def threshold(self, engine: str, phase: str) -> tuple[float, str]:
-        """Return ``(threshold_s, basis)`` for ``engine`` and ``phase`` right now."""
-        slo = self.slo[phase]
-        b = self._base.get((engine, phase))
-        if b is None or len(b.values) < self.min_requests:
-            return slo, "slo"
-        base = max(self.factor * b.quantile(self.q), self.floor)
-        return (base, "baseline") if base < slo else (slo, "slo")
+    def _floor(self, phase: str) -> float:
+        return min(self.floor, TPOT_FLOOR_S) if phase == "itl_max" else self.floor
+
+    def threshold(self, engine: str, phase: str, size: float = 0.0) -> tuple[float, str]:
+        """Return ``(threshold_s, basis)`` of ``phase`` for a request of ``size`` now.
+
+        ``basis`` is ``baseline`` once the phase's fit has ``baseline_min_requests``
+        points, else ``slo`` (``ttft``, ``tpot``, ``e2e``) or ``inf`` with basis ``slo`` for
+        phases without an SLO.
+        """
+        m = self._models.get((engine, phase))
+        if m is not None and len(m.points) >= self.min_requests:
+            thr, _ = m.threshold(size, self.q, self.factor, self._floor(phase))
+            slo = self.slo.get(phase, math.inf)
+            return (thr, "baseline") if thr < slo else (slo, "slo")
+        return self.slo.get(phase, math.inf), "slo"
 
     def baseline_size(self, engine: str, phase: str) -> int:
-        """Requests currently in the baseline of ``engine`` and ``phase``."""
-        b = self._base.get((engine, phase))
-        return 0 if b is None else len(b.values)
+        """Points currently in the fit of ``engine`` and ``phase``."""
+        m = self._models.get((engine, phase))
+        return 0 if m is None else len(m.points)
 
-    def judge(self, record: RequestRecord) -> Verdict | None:
-        """Judge ``record`` and learn from it.
+    def judge(self, record: RequestRecord, batch: float | None = None) -> Verdict | None:
+        """Judge every phase of ``record`` and learn from the phases that were not slow.
+
+        Args:
+            record: the finished request.
+            batch: mean number of requests the engine was running during the record's
+                decode (``kvpressure_engine_requests_running``), ``None`` when unknown.
 
         Returns:
             ``None`` when the record has neither TTFT nor end-to-end latency.
         """
-        if record.ttft_s is not None:
-            phase, latency = "ttft", record.ttft_s
-        elif record.e2e_s is not None:
-            phase, latency = "e2e", record.e2e_s
-        else:
+        r = record
+        if r.ttft_s is None and r.e2e_s is None:
             return None
-        thr, basis = self.threshold(record.engine, phase)
-        slow = latency > thr
-        if not slow and record.outcome == "ok":
-            key = (record.engine, phase)
-            b = self._base.get(key)
-            if b is None:
-                b = self._base[key] = _Baseline(self.size)
-            b.add(latency)
-        return Verdict(slow, phase, latency, thr, basis)
+        judged: list[PhaseVerdict] = []
+        learn: list[tuple[str, float, float]] = []
+
+        fitted: set[str] = set()
+        missed: list[str] = []
+
+        def fit(
+            phase: str, value: float, size: float, a: float, b: float, floor: float | None = None
+        ) -> None:
+            m = self._models.get((r.engine, phase))
+            slow = False
+            if m is not None and len(m.points) >= self.min_requests:
+                fl = self._floor(phase) if floor is None else floor
+                thr, exp = m.threshold(size, self.q, self.factor, fl)
+                judged.append(PhaseVerdict(phase, value, thr, "baseline", exp, size, a, b))
+                slow = value > thr
+                fitted.add(phase)
+            if not slow:
+                learn.append((phase, size, value))
+
+        def slo(phase: str, value: float, a: float, b: float) -> None:
+            if value > self.slo[phase]:
+                missed.append(phase)
+                # never learnt: an undetected incident must not become the norm past the SLO
+                learn[:] = [x for x in learn if x[0] != phase]
+            if phase not in fitted:  # warm-up: the SLO is the only judgement
+                judged.append(PhaseVerdict(phase, value, self.slo[phase], "slo", None, None, a, b))
+
+        uncached: float = 0.0
+        if r.input_tokens is not None:
+            uncached = float(max(0, r.input_tokens - (r.cached_tokens or 0)))
+        if r.queue_s is not None and r.queue_s >= 0:
+            fit("queue", r.queue_s, 0.0, r.start, r.start + r.queue_s)
+        if r.ttft_s is not None:
+            first = r.start + r.ttft_s
+            if r.prefill_s is not None and r.prefill_s >= 0:
+                fit("prefill", r.prefill_s, uncached, first - r.prefill_s, first)
+            fit("ttft", r.ttft_s, uncached, r.start, first)
+            slo("ttft", r.ttft_s, r.start, first)
+            out = r.output_tokens
+            decode = r.decode_s
+            if decode is None and r.e2e_s is not None:
+                decode = r.e2e_s - r.ttft_s
+            if out is not None and out >= 2 and decode is not None and decode >= 0:
+                tpot = decode / (out - 1)
+                size = batch if batch is not None and batch > 0 else 1.0
+                # the floor is on the decode's seconds, spread over its tokens
+                fit("tpot", tpot, size, first, r.end, self.floor / (out - 1))
+                slo("tpot", tpot, first, r.end)
+            if len(r.itl_s) >= 2:
+                size = batch if batch is not None and batch > 0 else 1.0
+                fit("itl_max", max(r.itl_s), size, first, r.end)
+        elif r.e2e_s is not None:
+            out_size = float(r.output_tokens) if r.output_tokens is not None else 0.0
+            fit("e2e", r.e2e_s, out_size, r.start, r.end)
+            slo("e2e", r.e2e_s, r.start, r.end)
+
+        slow_phases = tuple(
+            sorted((p for p in judged if p.value_s > p.threshold_s), key=lambda p: -p.excess)
+        )
+        if r.outcome == "ok":
+            for phase, size, value in learn:
+                key = (r.engine, phase)
+                m = self._models.get(key)
+                if m is None:
+                    m = self._models[key] = CostModel(self.size, phase in TOKEN_SIZED)
+                m.add(size, value)
+        if slow_phases:
+            top = slow_phases[0]
+            return Verdict(
+                True, top.phase, top.value_s, top.threshold_s, top.basis, slow_phases,
+                min(p.start for p in slow_phases), max(p.end for p in slow_phases),
+                tuple(missed),
+            )  # fmt: skip
+        # not slow: summarised by TTFT (else e2e) against its tightest threshold
+        main = "ttft" if r.ttft_s is not None else "e2e"
+        cands = [p for p in judged if p.phase == main]
+        best = min(cands, key=lambda p: p.threshold_s) if cands else None
+        latency = r.ttft_s if r.ttft_s is not None else r.e2e_s
+        assert latency is not None
+        thr = best.threshold_s if best is not None else self.slo[main]
+        basis = best.basis if best is not None else "slo"
+        return Verdict(False, main, latency, thr, basis, (), r.start, r.end, tuple(missed))

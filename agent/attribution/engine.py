@@ -4,9 +4,14 @@ Primary cause::
 
     gpu_fault        if score(gpu_fault) >= min_score
     engine_restart   elif score(engine_restart) >= min_score
-    argmax over {memory, storage, network, compute}
-                     elif that score >= min_score (ties: the order above)
+    argmax over {memory, storage, network, prefill_interference, compute}
+                     elif that score >= min_score (ties: that order)
+    concurrency      elif score(concurrency) >= min_score
     unknown          otherwise
+
+Queueing at the concurrency cap is named only when nothing slowed the engine itself:
+requests wait at the cap whenever the ones in the slots take longer, so with memory,
+storage or compute short the queue is their symptom (and still scored, with its remedy).
 
 Event causes outrank resource causes because they explain them: after a restart the prefix
 cache is empty and requests queue while weights load, which reads as memory pressure (case
@@ -23,6 +28,7 @@ from agent.attribution.detector import Verdict, quantile
 from agent.attribution.model import (
     CAUSES,
     EVENT_CAUSES,
+    SYMPTOM_CAUSES,
     UNKNOWN,
     Attribution,
     WindowAttribution,
@@ -37,12 +43,18 @@ def primary_cause(scores: Mapping[str, float], min_score: float) -> str:
     for ev in EVENT_CAUSES:
         if scores.get(ev, 0.0) >= min_score:
             return ev
-    best, best_score = UNKNOWN, 0.0
-    for cause in CAUSES:
-        s = scores.get(cause, 0.0)
-        if s > best_score:
-            best, best_score = cause, s
-    return best if best_score >= min_score else UNKNOWN
+    for causes in (
+        tuple(c for c in CAUSES if c not in SYMPTOM_CAUSES),
+        SYMPTOM_CAUSES,
+    ):
+        best, best_score = UNKNOWN, 0.0
+        for cause in causes:
+            s = scores.get(cause, 0.0)
+            if s > best_score:
+                best, best_score = cause, s
+        if best_score >= min_score:
+            return best
+    return UNKNOWN
 
 
 class Attributor:
@@ -60,13 +72,26 @@ class Attributor:
         self.min_score = min_score
 
     def attribute_request(
-        self, sig: Signals, record: RequestRecord, verdict: Verdict
+        self,
+        sig: Signals,
+        record: RequestRecord,
+        verdict: Verdict,
+        neighbours: Sequence[RequestRecord] = (),
     ) -> Attribution:
-        """Attribute one slow request.
+        """Attribute one slow request over the time span of its slow phase(s).
 
-        The scope read is ``[record.start - lead_in_s, record.end]``.
+        The scope read is ``[verdict.start - lead_in_s, verdict.end]`` (the request's
+        ``[start - lead_in_s, end]`` when the verdict has no span).
+
+        Args:
+            sig: timeline signals covering the scope.
+            record: the slow request.
+            verdict: the detector's verdict on it.
+            neighbours: other recent requests of the engine (prefill interference).
         """
-        scope = Scope(record.engine, record.start, record.end, self.lead_in_s, record)
+        a = record.start if verdict.start is None else verdict.start
+        b = record.end if verdict.end is None else verdict.end
+        scope = Scope(record.engine, a, b, self.lead_in_s, record, tuple(neighbours))
         scores, evidence, unassessed = evaluate(sig, scope, self.params)
         return Attribution(
             engine=record.engine,
@@ -86,6 +111,11 @@ class Attributor:
             output_tokens=record.output_tokens,
             trace_id=record.trace_id,
             span_id=record.span_id,
+            slow_phases=tuple(
+                (p.phase, p.value_s, p.threshold_s, p.basis) for p in verdict.slow_phases
+            ),
+            scope_start=a,
+            scope_end=b,
         )
 
     def attribute_window(

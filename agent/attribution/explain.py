@@ -1,6 +1,7 @@
 """``kvpressure explain``: the ``/api/v1/attributions`` document as text for an incident.
 
 Sections, each skipped when empty: latency per phase (p50/p95/p99), slow requests by cause,
+what to change for each cause that scored (one line each),
 the strongest evidence per cause, when each cause dominated (merged 10 s windows), what
 could not be assessed (engine metrics unavailable), and the slowest requests with their
 top evidence. Times are local wall-clock ``HH:MM:SS``.
@@ -12,6 +13,7 @@ import re
 import time
 from typing import Any
 
+from agent.attribution.model import REMEDIES
 from agent.attribution.rules import RULES_BY_NAME
 
 _DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(ms|s|m|h|d)?\s*$")
@@ -171,6 +173,12 @@ def render(doc: dict[str, Any]) -> str:
             else:
                 line += "; " + ", ".join(f"{k} {v}" for k, v in sorted(st["outcomes"].items()))
             out.append(line)
+            if st.get("slo_missed_not_slow"):
+                out.append(
+                    f"{'':<14} {st['slo_missed_not_slow']} more missed an SLO but cost what "
+                    "a request of their size costs on this engine (not slow: capacity, not an "
+                    "incident)"
+                )
     by_cause: dict[str, dict[str, int]] = doc.get("slow_by_cause", {})
     scored: dict[str, dict[str, int]] = doc.get("scored_by_cause", {})
     if by_cause:
@@ -196,6 +204,18 @@ def render(doc: dict[str, Any]) -> str:
                     f"{eng if first else '':<14} {cause:<15} {n:>7} {share:>7}  {bar:<20} {sc:>6}"
                 )
                 first = False
+    acted = [
+        c
+        for c in dict.fromkeys(
+            [c for causes in by_cause.values() for c in causes]
+            + [c for causes in scored.values() for c in causes]
+        )
+        if c in REMEDIES
+    ]
+    if acted:
+        out += ["", "WHAT TO CHANGE (every cause that scored >= "
+                f"{min_score:g} in a slow request)"]  # fmt: skip
+        out += [f"{c:<21} {REMEDIES[c]}" for c in acted]
     ev: list[dict[str, Any]] = doc.get("evidence", [])
     if ev:
         out += ["", "STRONGEST EVIDENCE (median over the slow requests where that cause scored)"]
@@ -225,12 +245,14 @@ def render(doc: dict[str, Any]) -> str:
     if una:
         out += ["", "NOT ASSESSED"]
         for u in una:
-            why = (
-                "engine metrics unavailable (kvpressure_engine_up 0 or not scraped): KV, "
-                "queue and preemption signals could not be read, so memory is not ruled out"
-                if u["what"] == "engine_metrics"
-                else u["what"]
-            )
+            why = {
+                "engine_metrics": "engine metrics unavailable (kvpressure_engine_up 0 or not "
+                "scraped): KV, queue and preemption signals could not be read, so memory is "
+                "not ruled out",
+                "engine_metrics_stale": "engine statistics stale (token counters frozen while "
+                "its gauges claimed running requests or a full KV cache): KV, queue and "
+                "preemption gauges were not used as evidence",
+            }.get(u["what"], u["what"])
             out.append(f"{_hms(u['start'])}-{_hms(u['end'])}  {u['engine']:<14} {why}")
     atts: list[dict[str, Any]] = doc.get("attributions", [])
     if atts:
@@ -242,9 +264,13 @@ def render(doc: dict[str, Any]) -> str:
                 for e in a["evidence"][:3]
             )
             flag = " (engine metrics unavailable)" if "engine_metrics" in a["unassessed"] else ""
+            if "engine_metrics_stale" in a["unassessed"]:
+                flag += " (engine statistics stale)"
+            slow_ph = [p["phase"] for p in a.get("slow_phases", [])]
+            extra = f" [slow: {', '.join(slow_ph)}]" if len(slow_ph) > 1 else ""
             out.append(
                 f"{_hms(a['end'])}  {a['engine']:<14} {a['phase']} {fmt_seconds(a['latency_s'])}"
-                f" > {fmt_seconds(a['threshold_s'])} ({a['basis']})  "
+                f" > {fmt_seconds(a['threshold_s'])} ({a['basis']}){extra}  "
                 f"{causes_of(a, min_score)}{flag}  {top}"
             )
     return "\n".join(out)

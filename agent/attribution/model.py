@@ -16,8 +16,44 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-CAUSES: tuple[str, ...] = ("memory", "storage", "network", "compute")
-"""Resource causes, in tie-break order (the first wins a tie)."""
+CAUSES: tuple[str, ...] = (
+    "memory",
+    "storage",
+    "network",
+    "concurrency",
+    "prefill_interference",
+    "compute",
+)
+"""Causes an operator acts on, in tie-break order (the first wins a tie): a resource that
+is short (``memory``, ``storage``, ``network``, ``compute``), the engine's concurrency cap
+(``concurrency``: requests queue while every slot or ``max_num_seqs`` place is taken and KV
+has room), or another request's long prefill (``prefill_interference``)."""
+
+SYMPTOM_CAUSES: tuple[str, ...] = ("concurrency",)
+"""Causes named only when no other cause scored ``min_score``: requests queue at the cap
+whenever the ones running take longer, so a shortage that slows them comes first."""
+
+REMEDIES: dict[str, str] = {
+    "memory": "KV or host memory is short: lower max concurrent sequences or context "
+    "length, give the engine more GPU/host memory (vLLM --gpu-memory-utilization, the "
+    "cgroup limit), enable KV offload, or add replicas",
+    "storage": "the engine waits on disk: keep weights and KV tiers resident (more page "
+    "cache, mlock), move them to a faster disk, or stop competing I/O",
+    "network": "time is lost between client and engine: check the path (retransmits, "
+    "errors, proxy), and keep clients close to the engine",
+    "concurrency": "requests wait for a slot while KV has room: raise the slot count "
+    "(llama.cpp -np, vLLM --max-num-seqs) or add replicas",
+    "prefill_interference": "long prompts' prefill holds up other requests: enable or "
+    "shrink chunked prefill (vLLM --max-num-batched-tokens, llama.cpp -b/-ub), or route "
+    "long prompts to their own replica",
+    "compute": "the engine is short of CPU/GPU time: stop competing work, check throttling "
+    "and clocks, or add capacity",
+    "gpu_fault": "a GPU fault (XID or lost GPU): check the GPU and its driver, move the "
+    "engine off it",
+    "engine_restart": "the engine restarted: find why (OOM kill, crash, deploy) and warm "
+    "it before it takes traffic",
+}
+"""One line per cause: what an operator changes (``kvpressure explain`` prints it)."""
 
 EVENT_CAUSES: tuple[str, ...] = ("gpu_fault", "engine_restart")
 """Event causes, in precedence order; either one outranks every resource cause."""
@@ -25,7 +61,16 @@ EVENT_CAUSES: tuple[str, ...] = ("gpu_fault", "engine_restart")
 ALL_CAUSES: tuple[str, ...] = CAUSES + EVENT_CAUSES
 """Every cause that has a score."""
 
-Cause = Literal["memory", "storage", "network", "compute", "gpu_fault", "engine_restart"]
+Cause = Literal[
+    "memory",
+    "storage",
+    "network",
+    "concurrency",
+    "prefill_interference",
+    "compute",
+    "gpu_fault",
+    "engine_restart",
+]
 """A scored cause, as a type (a rule's ``cause``); ``tests/test_pipeline.py`` keeps it equal
 to :data:`ALL_CAUSES`."""
 
@@ -36,6 +81,12 @@ ENGINE_METRICS = "engine_metrics"
 """``unassessed`` entry: the engine's metrics were unavailable (``kvpressure_engine_up`` 0 or
 never scraped), so KV, queue, preemption and prefix-cache signals could not be read. The
 attribution then never means "no memory pressure"."""
+
+ENGINE_METRICS_STALE = "engine_metrics_stale"
+"""``unassessed`` entry: the engine's statistics were stale in the scope (token counters
+frozen while its gauges claimed running requests or a full KV cache,
+``kvpressure_engine_stats_stale`` 1), so its KV, queue and preemption gauges were not used
+as evidence."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,16 +142,22 @@ class Attribution:
         scores: score per cause in :data:`ALL_CAUSES`.
         evidence: findings with a score > 0, strongest first.
         unassessed: what could not be assessed (e.g. :data:`ENGINE_METRICS`).
-        phase: ``ttft`` or ``e2e``: the latency the request was judged on.
-        latency_s: that latency.
+        phase: the slowest phase (``queue``, ``prefill``, ``ttft``, ``tpot``, ``itl_max``,
+            ``e2e``; see :mod:`agent.attribution.detector`).
+        latency_s: that phase's value (seconds; per output token for ``tpot``).
         threshold_s: the slow threshold it exceeded.
-        basis: ``slo`` or ``baseline``: which of the two thresholds was lower.
+        basis: ``slo`` (an objective) or ``baseline`` (the fitted cost of a request of its
+            size on this engine).
         outcome: the request's outcome.
         model: served model where known.
         input_tokens: prompt tokens where known.
         output_tokens: generated tokens where known.
         trace_id: source trace id (32 hex digits) where known.
         span_id: source span id (16 hex digits) where known.
+        slow_phases: every slow phase as ``(phase, value_s, threshold_s, basis)``, slowest
+            first.
+        scope_start: start of the time span attributed (the slow phases' span).
+        scope_end: end of that span.
     """
 
     engine: str
@@ -120,6 +177,9 @@ class Attribution:
     output_tokens: int | None = None
     trace_id: str | None = None
     span_id: str | None = None
+    slow_phases: tuple[tuple[str, float, float, str], ...] = ()
+    scope_start: float | None = None
+    scope_end: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Return a JSON-ready dict (the ``/api/v1/attributions`` item shape)."""
@@ -141,6 +201,12 @@ class Attribution:
             "output_tokens": self.output_tokens,
             "trace_id": self.trace_id,
             "span_id": self.span_id,
+            "slow_phases": [
+                {"phase": p, "value_s": v, "threshold_s": t, "basis": b}
+                for p, v, t, b in self.slow_phases
+            ],
+            "scope_start": self.scope_start,
+            "scope_end": self.scope_end,
         }
 
 

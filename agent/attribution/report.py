@@ -38,6 +38,8 @@ _COLORS = {
     "storage": "#8c564b",
     "network": "#1f77b4",
     "compute": "#ff7f0e",
+    "concurrency": "#2ca02c",
+    "prefill_interference": "#17becf",
     "gpu_fault": "#9467bd",
     "engine_restart": "#7f7f7f",
     "unknown": "#bcbd22",

@@ -24,8 +24,22 @@ request's ``engine`` label; PSI prefers the engine's own cgroup, ``scope=<engine
 rule                       cause    weight default       value
 ========================== ======== ====== ============= =========================================
 queue_while_full           memory   1.0    [0.0, 0.5]    share of engine samples with requests
-                                                         waiting while every slot is processing
-                                                         or KV usage >= kv_cache_usage threshold
+                                                         waiting while KV usage >=
+                                                         kv_cache_usage threshold (a shortage;
+                                                         busy slots alone are queue_at_cap)
+queue_at_cap               concur-  0.8    [0.0, 0.5]    share of engine samples with requests
+                           rency                         waiting while the engine runs at its
+                                                         concurrency cap (every llama.cpp slot
+                                                         processing; else running at the most
+                                                         seen in the scope) with KV below the
+                                                         kv_cache_usage threshold; the cap is
+                                                         the evidence's ``cap`` label
+prefill_interference       prefill_ 1.0    [0.2, 0.6]    share of the slow phase's time span in
+                           interf.                       which another request with at least
+                                                         twice this one's uncached prompt was in
+                                                         prefill (records seen by the agent);
+                                                         the largest blocker's prompt tokens are
+                                                         the ``blocker_tokens`` label
 kv_cache_usage             memory   0.6    [0.90, 0.98]  max KV-cache usage ratio
 preemptions                memory   1.0    [0, 2]        preemptions in the scope (increase)
 prefix_cache_collapse      memory   0.6    [0.5, 0.9]    relative drop of the prefix-cache hit
@@ -66,8 +80,11 @@ upstream_connect           network  1.0    [0.05, 0.5]   proxy-measured connect 
 transport_gap              network  0.8    [0.25, 1.0]   TTFT not spent in the engine: TTFT -
                                                          prefill - queue (record; only when the
                                                          queue time is known or no request waited).
-                                                         Residual: dropped when a memory, storage
-                                                         or compute rule scored >= min_score, since
+                                                         Residual: dropped when a memory, storage,
+                                                         compute, concurrency or prefill
+                                                         interference rule scored >= min_score
+                                                         (waiting for a slot or behind a prefill
+                                                         is not transport), and since
                                                          a stalled engine is also slow to start
                                                          prefill (CPU-starved HTTP thread, weights
                                                          and vocabulary paged in before prefill)
@@ -97,6 +114,25 @@ are *storage* evidence, and io PSI is read whole. With a shortage, io PSI is rea
 memory PSI (the thrashing's own I/O is the memory's). A limit the agent cannot see (a
 cgroup v1 limit, an engine without a configured ``cgroup``) leaves thrashing without swap
 looking like storage; configure the engine's cgroup so its ``memory.max`` is read.
+
+**Scope of a request.** A slow request is read over the time span of its slow phase(s)
+(the detector's verdict: the wait and prefill up to the first token, or the decode after
+it), plus the lead-in, not over its whole life: a decode stall is attributed to what
+happened during the decode.
+
+**Stale engine statistics.** The engine sampler marks an engine's statistics stale
+(``kvpressure_engine_stats_stale`` 1, source ``stats`` in error) when its token counters
+have not moved while its gauges claimed running requests or a full KV cache
+(vLLM keeps its last gauges after every request aborted). While they are stale in the
+scope, the rules that read the engine's own metrics (:data:`ENGINE_RULES`) are not
+evaluated and the attribution lists :data:`~agent.attribution.model.ENGINE_METRICS_STALE`
+as unassessed.
+
+**Weights of the operator causes.** ``queue_at_cap`` weighs 0.8, and ``concurrency`` is
+named only when no other cause reached ``min_score``
+(:func:`agent.attribution.engine.primary_cause`): requests queue at the cap whenever the
+engine is slower to finish the ones it runs, so a shortage that slows it is named before
+the cap it makes visible.
 """
 
 from __future__ import annotations
@@ -105,7 +141,7 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from agent.attribution.model import ENGINE_METRICS, Cause, Evidence
+from agent.attribution.model import ENGINE_METRICS, ENGINE_METRICS_STALE, Cause, Evidence
 from agent.attribution.signals import Signals
 from agent.requests.record import RequestRecord
 
@@ -140,6 +176,8 @@ class Scope:
         end: end of the request or window.
         lead_in_s: seconds before ``start`` that are read too (causes precede effects).
         record: the request, for record-level rules; ``None`` for windows.
+        neighbours: other recent requests of the same engine (``prefill_interference``
+            looks for a long prefill among them); empty for windows.
     """
 
     engine: str
@@ -147,6 +185,7 @@ class Scope:
     end: float
     lead_in_s: float = 0.0
     record: RequestRecord | None = None
+    neighbours: tuple[RequestRecord, ...] = ()
 
     @property
     def a(self) -> float:
@@ -302,6 +341,21 @@ def engine_unavailable(sig: Signals, sc: Scope) -> bool:
     return not vals or min(vals) < 1.0
 
 
+STATS_STALE = "kvpressure_engine_stats_stale"
+
+
+def engine_stale(sig: Signals, sc: Scope) -> bool:
+    """True when the engine sampler marked the engine's statistics stale in the scope.
+
+    ``kvpressure_engine_stats_stale`` is 1 when the engine's token counters did not move
+    while its gauges claimed running requests or a full KV cache (see
+    :mod:`agent.samplers.engines.staleness`): its KV, queue and preemption gauges then
+    describe the past, not the scope.
+    """
+    vals = sig.gauge_values(STATS_STALE, sc.a, sc.b, engine_match(sc))
+    return bool(vals) and max(vals) >= 1.0
+
+
 def psi_rate(
     sig: Signals, sc: Scope, resource: str, kind: str
 ) -> tuple[float, dict[str, str]] | None:
@@ -335,27 +389,119 @@ def gpu_filter(sig: Signals, sc: Scope) -> Callable[[Mapping[str, str]], bool]:
 # --- memory -------------------------------------------------------------------------------
 
 
-@reads(
+QUEUE_GAUGES = (
     "kvpressure_engine_requests_waiting",
     "kvpressure_engine_slots",
+    "kvpressure_engine_requests_running",
     "kvpressure_engine_kv_cache_usage_ratio",
 )
-def _queue_while_full(sig: Signals, sc: Scope, p: Params) -> Measurement | None:
+"""The engine gauges the queue rules join on sample time."""
+
+
+def _queue_samples(
+    sig: Signals, sc: Scope, p: Params
+) -> tuple[
+    dict[float, float],
+    dict[float, float],
+    dict[float, float],
+    dict[float, float],
+    dict[float, float],
+    float,
+]:
+    """Engine gauges joined on sample time: waiting, slots total, slots busy, running, KV."""
     m = engine_match(sc)
     waiting = sig.gauge_by_time("kvpressure_engine_requests_waiting", sc.a, sc.b, m)
-    if not waiting:
-        return None
     total = sig.gauge_by_time("kvpressure_engine_slots", sc.a, sc.b, {**m, "state": "total"})
     busy = sig.gauge_by_time("kvpressure_engine_slots", sc.a, sc.b, {**m, "state": "processing"})
+    running = sig.gauge_by_time("kvpressure_engine_requests_running", sc.a, sc.b, m)
     kv = sig.gauge_by_time("kvpressure_engine_kv_cache_usage_ratio", sc.a, sc.b, m)
     kv_full = p.limits(RULES_BY_NAME["kv_cache_usage"])[0]
-    hits = 0
-    for t, w in waiting.items():
-        slots_full = t in total and t in busy and total[t] > 0 and busy[t] >= total[t]
-        kv_high = t in kv and kv[t] >= kv_full
-        if w > 0 and (slots_full or kv_high):
-            hits += 1
+    return waiting, total, busy, running, kv, kv_full
+
+
+@reads(*QUEUE_GAUGES)
+def _queue_while_full(sig: Signals, sc: Scope, p: Params) -> Measurement | None:
+    waiting, _, _, _, kv, kv_full = _queue_samples(sig, sc, p)
+    if not waiting:
+        return None
+    hits = sum(1 for t, w in waiting.items() if w > 0 and t in kv and kv[t] >= kv_full)
     return Measurement(hits / len(waiting), "kvpressure_engine_requests_waiting")
+
+
+@reads(*QUEUE_GAUGES)
+def _queue_at_cap(sig: Signals, sc: Scope, p: Params) -> Measurement | None:
+    waiting, total, busy, running, kv, kv_full = _queue_samples(sig, sc, p)
+    if not waiting:
+        return None
+    # without slot counts, the cap is the most the engine ran while requests waited
+    top = max((running[t] for t, w in waiting.items() if w > 0 and t in running), default=0.0)
+    hits = 0
+    cap = 0.0
+    for t, w in waiting.items():
+        if w <= 0 or (t in kv and kv[t] >= kv_full):
+            continue
+        if t in total and t in busy and total[t] > 0:
+            at_cap, c = busy[t] >= total[t], total[t]
+        else:
+            at_cap, c = t in running and top > 0 and running[t] >= top, top
+        if at_cap:
+            hits += 1
+            cap = max(cap, c)
+    labels = {"cap": f"{cap:.0f}"} if hits else {}
+    return Measurement(hits / len(waiting), "kvpressure_engine_requests_waiting", labels)
+
+
+def prefill_span(r: RequestRecord) -> tuple[float, float] | None:
+    """``(start, end)`` of ``r``'s prefill, Unix seconds; ``None`` without a TTFT.
+
+    From ``prefill_s`` before the first token where known, else from arrival (the wait
+    included) to the first token.
+    """
+    if r.ttft_s is None:
+        return None
+    first = r.start + r.ttft_s
+    if r.prefill_s is not None and r.prefill_s >= 0:
+        return first - r.prefill_s, first
+    return r.start, first
+
+
+def uncached_tokens(r: RequestRecord) -> int | None:
+    """Prompt tokens ``r`` had to prefill: input minus prefix-cache hits where known."""
+    if r.input_tokens is None:
+        return None
+    return max(0, r.input_tokens - (r.cached_tokens or 0))
+
+
+@reads()
+def _prefill_interference(sig: Signals, sc: Scope, p: Params) -> Measurement | None:
+    r = sc.record
+    if r is None or sc.end <= sc.start:
+        return None
+    own = uncached_tokens(r)
+    if own is None:
+        return None
+    spans: list[tuple[float, float]] = []
+    biggest = 0
+    for b in sc.neighbours:
+        if b is r or b.engine != r.engine:
+            continue
+        size = uncached_tokens(b)
+        span = prefill_span(b)
+        if size is None or span is None or size < 2 * max(own, 1):
+            continue
+        lo, hi = max(span[0], sc.start), min(span[1], sc.end)
+        if hi > lo:
+            spans.append((lo, hi))
+            biggest = max(biggest, size)
+    covered = 0.0
+    last = -math.inf
+    for a, hi in sorted(spans):
+        lo = max(a, last)
+        if hi > lo:
+            covered += hi - lo
+            last = hi
+    labels = {"blocker_tokens": str(biggest), "blockers": str(len(spans))} if spans else {}
+    return Measurement(covered / (sc.end - sc.start), "record.prefill_overlap", labels)
 
 
 @reads("kvpressure_engine_kv_cache_usage_ratio")
@@ -636,6 +782,12 @@ RULES: tuple[RuleSpec, ...] = (
     RuleSpec("queue_while_full", "memory", 1.0, 0.0, 0.5, "ratio",
              "share of engine samples with requests waiting while slots or KV are full",
              _queue_while_full),
+    RuleSpec("queue_at_cap", "concurrency", 0.8, 0.0, 0.5, "ratio",
+             "share of engine samples with requests waiting at the concurrency cap, KV free",
+             _queue_at_cap),
+    RuleSpec("prefill_interference", "prefill_interference", 1.0, 0.2, 0.6, "ratio",
+             "share of the slow phase spent while a longer prompt was in prefill",
+             _prefill_interference),
     RuleSpec("kv_cache_usage", "memory", 0.6, 0.90, 0.98, "ratio",
              "max KV-cache usage ratio", _kv_cache_usage),
     RuleSpec("preemptions", "memory", 1.0, 0.0, 2.0, "1",
@@ -707,8 +859,9 @@ RULES_BY_NAME: dict[str, RuleSpec] = {r.name: r for r in RULES}
 """Rules by name (the keys ``attribution.thresholds`` accepts)."""
 
 ENGINE_RULES = frozenset(
-    {"queue_while_full", "kv_cache_usage", "preemptions", "prefix_cache_collapse"}
-)
+    {"queue_while_full", "queue_at_cap", "kv_cache_usage", "preemptions",
+     "prefix_cache_collapse"}
+)  # fmt: skip
 """Rules that read the engine's own metrics: not assessed while those are unavailable."""
 
 MEMORY_SHORTAGE = frozenset(
@@ -726,10 +879,17 @@ IO_NET_OF_MEMORY = {"psi_io_some": "psi_memory_some", "psi_io_full": "psi_memory
 """io PSI rules and the memory PSI rule subtracted from them when memory is short."""
 
 RESIDUAL = frozenset({"transport_gap"})
-"""Rules that only count when no memory, storage or compute rule explains the delay."""
+"""Rules that only count when no rule of :data:`RESIDUAL_EXPLAINED_BY` explains the delay."""
 
-EVALUATE_READS: tuple[str, ...] = (ENGINE_UP,)
-"""Read by :func:`evaluate` itself (:func:`engine_unavailable`), besides the rules."""
+RESIDUAL_EXPLAINED_BY = frozenset(
+    {"memory", "storage", "compute", "concurrency", "prefill_interference"}
+)
+"""Causes that explain a TTFT not spent in prefill: a stalled engine is slow to start
+prefill, and a request waiting for a slot or behind another prefill is waiting."""
+
+EVALUATE_READS: tuple[str, ...] = (ENGINE_UP, STATS_STALE)
+"""Read by :func:`evaluate` itself (:func:`engine_unavailable`, :func:`engine_stale`),
+besides the rules."""
 
 METRICS_READ: tuple[str, ...] = tuple(
     dict.fromkeys(name for names in (EVALUATE_READS, *(r.reads for r in RULES)) for name in names)
@@ -761,7 +921,15 @@ def evaluate(
     unassessed: list[str] = []
     if engine_unavailable(sig, sc):
         unassessed.append(ENGINE_METRICS)
-    measured = [(rule, m) for rule in RULES if (m := rule.measure(sig, sc, params)) is not None]
+    skip: frozenset[str] = frozenset()
+    if engine_stale(sig, sc):
+        unassessed.append(ENGINE_METRICS_STALE)
+        skip = ENGINE_RULES
+    measured = [
+        (rule, m)
+        for rule in RULES
+        if rule.name not in skip and (m := rule.measure(sig, sc, params)) is not None
+    ]
     values = {rule.name: m.value for rule, m in measured}
 
     def score(rule: RuleSpec, value: float) -> float:
@@ -790,7 +958,7 @@ def evaluate(
             for e in found
         ]  # fmt: skip
     engine_stalled = any(
-        e.cause in ("memory", "storage", "compute") and e.score >= params.min_score for e in found
+        e.cause in RESIDUAL_EXPLAINED_BY and e.score >= params.min_score for e in found
     )
     evidence = [e for e in found if e.signal not in RESIDUAL] if engine_stalled else found
     scores = dict.fromkeys(ALL_CAUSES, 0.0)

@@ -5,10 +5,15 @@ It runs as a derived sampler named ``attribution`` on the daemon's schedule. Eac
 1. drains its consumer queue of the daemon's :class:`~agent.requests.record.RequestStream`
    and holds back records that ended less than ``settle_s`` ago (the samplers have not yet
    taken the sample that covers the request's end);
-2. judges every ready record (:class:`~agent.attribution.detector.SlowDetector`);
+2. judges every phase of every ready record (:class:`~agent.attribution.detector.
+   SlowDetector`), with the engine's mean batch size over the record's decode
+   (``kvpressure_engine_requests_running``, unless its statistics were stale) as the size
+   the decode cost is fitted against;
 3. reads the timeline once over the union of the scopes it needs
    (:class:`~agent.attribution.signals.Signals`), attributes every slow request
-   (:class:`~agent.attribution.engine.Attributor`), keeps it in the
+   (:class:`~agent.attribution.engine.Attributor`) over the span of its slow phases, with
+   the engine's other recent records (at most ``MAX_NEIGHBOURS``, the last
+   ``NEIGHBOUR_HORIZON_S``) as candidates for a blocking prefill, keeps it in the
    :class:`~agent.attribution.store.AttributionStore` and hands it to the span sink (the
    OTLP exporter's ``kvpressure.attribution`` spans);
 4. attributes every window (default 10 s, aligned to multiples of the length) that ended at
@@ -47,6 +52,15 @@ ENGINE_LATENCY = "kvpressure_engine_latency_seconds"
 
 MAX_WINDOWS_PER_CYCLE = 6
 """Windows attributed per engine per cycle at most; older due windows are skipped."""
+
+MAX_NEIGHBOURS = 4096
+"""Recent records kept (all engines) as candidates for another request's blocking prefill."""
+
+NEIGHBOUR_HORIZON_S = 600.0
+"""Records that ended longer ago than this are no candidate blockers."""
+
+RUNNING = "kvpressure_engine_requests_running"
+STATS_STALE = "kvpressure_engine_stats_stale"
 
 
 def _tail_quantile(labels: Mapping[str, str]) -> bool:
@@ -121,6 +135,7 @@ class AttributionSampler(Sampler):
         self.dropped_records = 0
         self._next_window: dict[str, float] = {}
         self._window_acc: dict[tuple[str, float], tuple[list[float], int]] = {}
+        self._recent: deque[RequestRecord] = deque(maxlen=MAX_NEIGHBOURS)
         stream.subscribe(consumer)
 
     # --- one cycle ---------------------------------------------------------------------
@@ -143,17 +158,23 @@ class AttributionSampler(Sampler):
         self._pending = keep
         ready.sort(key=lambda r: r.end)
 
+        batches = self._batch_sizes(ready, now)
         slow: list[tuple[RequestRecord, Verdict]] = []
-        for r in ready:
-            v = self.detector.judge(r)
+        for i, r in enumerate(ready):
+            v = self.detector.judge(r, batches[i])
             is_slow = v is not None and v.slow
-            self.store.add_request(RequestSummary.of(r, is_slow))
+            self.store.add_request(
+                RequestSummary.of(r, is_slow, v is not None and bool(v.slo_missed))
+            )
             if v is None:
                 continue
             if is_slow:
                 slow.append((r, v))
             self._accumulate(r, v)
 
+        self._recent.extend(ready)
+        while self._recent and self._recent[0].end < now - NEIGHBOUR_HORIZON_S:
+            self._recent.popleft()
         windows = self._due_windows(now)
         if slow or windows:
             lo = min(
@@ -171,7 +192,7 @@ class AttributionSampler(Sampler):
                 extended,
             )
             for r, v in slow:
-                a = self.attributor.attribute_request(sig, r, v)
+                a = self.attributor.attribute_request(sig, r, v, self._neighbours(r))
                 self.store.add_attribution(a)
                 if self.span_sink is not None:
                     try:
@@ -182,13 +203,44 @@ class AttributionSampler(Sampler):
                 self._attribute_window(sig, engine, start)
         self._emit(batch)
 
+    def _batch_sizes(self, ready: list[RequestRecord], now: float) -> list[float | None]:
+        """Mean ``requests_running`` of each record's engine over its decode, or ``None``."""
+        out: list[float | None] = [None] * len(ready)
+        spans = [(r.start + r.ttft_s, r.end) if r.ttft_s is not None else None for r in ready]
+        starts = [a for sp in spans if sp is not None for a in (sp[0],)]
+        if not starts:
+            return out
+        sig = Signals.from_timeline(
+            self.timeline, (RUNNING, STATS_STALE), min(starts) - 2 * self.interval_s, now
+        )
+        for i, (r, sp) in enumerate(zip(ready, spans, strict=True)):
+            if sp is None:
+                continue
+            m = {"engine": r.engine}
+            stale = sig.gauge_values(STATS_STALE, sp[0], sp[1], m)
+            if stale and max(stale) >= 1.0:
+                continue
+            vals = sig.gauge_values(RUNNING, sp[0], sp[1], m)
+            if vals:
+                out[i] = sum(vals) / len(vals)
+        return out
+
+    def _neighbours(self, r: RequestRecord) -> list[RequestRecord]:
+        """Known records of ``r``'s engine (settled, pending) that overlap its lifetime."""
+        return [
+            o
+            for o in (*self._recent, *self._pending)
+            if o.engine == r.engine and o is not r and o.start <= r.end and o.end >= r.start
+        ]
+
     def _accumulate(self, r: RequestRecord, v: Verdict) -> None:
         start = r.end - (r.end % self.window_s)
         nxt = self._next_window.get(r.engine)
         if nxt is not None and start < nxt:
             return  # that window was already attributed
         lat, n_slow = self._window_acc.get((r.engine, start), ([], 0))
-        lat.append(v.latency_s)
+        judged = r.latency_s
+        lat.append(v.latency_s if judged is None else judged)
         self._window_acc[(r.engine, start)] = (lat, n_slow + (1 if v.slow else 0))
 
     def _engines(self, now: float) -> set[str]:

@@ -21,9 +21,10 @@ from agent.attribution.detector import quantile
 from agent.attribution.model import UNKNOWN, Attribution, WindowAttribution
 from agent.requests.record import RequestRecord
 
-PHASES: tuple[str, ...] = ("ttft", "e2e", "queue", "prefill", "decode", "itl")
-"""Latency phases summarised by :meth:`AttributionStore.query`; ``itl`` is the mean
-inter-token gap of each request."""
+PHASES: tuple[str, ...] = ("ttft", "e2e", "queue", "prefill", "decode", "tpot", "itl", "itl_max")
+"""Latency phases summarised by :meth:`AttributionStore.query`; ``tpot`` is each request's
+decode time per output token after the first, ``itl`` its mean inter-token gap and
+``itl_max`` its longest."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +37,8 @@ class RequestSummary:
         outcome: the request's outcome.
         slow: judged slow.
         phases: phase name to seconds, for the phases the source observed.
+        slo_missed: a phase missed its SLO (slow or not; see
+            :attr:`agent.attribution.detector.Verdict.slo_missed`).
     """
 
     engine: str
@@ -43,9 +46,10 @@ class RequestSummary:
     outcome: str
     slow: bool
     phases: tuple[tuple[str, float], ...]
+    slo_missed: bool = False
 
     @classmethod
-    def of(cls, r: RequestRecord, slow: bool) -> RequestSummary:
+    def of(cls, r: RequestRecord, slow: bool, slo_missed: bool = False) -> RequestSummary:
         """Summarise ``r``."""
         vals = {
             "ttft": r.ttft_s,
@@ -53,7 +57,9 @@ class RequestSummary:
             "queue": r.queue_s,
             "prefill": r.prefill_s,
             "decode": r.decode_s,
+            "tpot": _tpot(r),
             "itl": (sum(r.itl_s) / len(r.itl_s)) if r.itl_s else None,
+            "itl_max": max(r.itl_s) if r.itl_s else None,
         }
         return cls(
             r.engine,
@@ -61,7 +67,22 @@ class RequestSummary:
             r.outcome,
             slow,
             tuple((k, v) for k, v in vals.items() if v is not None),
+            slo_missed,
         )
+
+
+def _tpot(r: RequestRecord) -> float | None:
+    """Decode seconds per output token after the first; ``None`` when unknown."""
+    if r.output_tokens is None or r.output_tokens < 2 or r.ttft_s is None:
+        return None
+    decode = (
+        r.decode_s
+        if r.decode_s is not None
+        else (r.e2e_s - r.ttft_s if r.e2e_s is not None else None)
+    )
+    if decode is None or decode < 0:
+        return None
+    return decode / (r.output_tokens - 1)
 
 
 def _q(values: list[float]) -> dict[str, float | int]:
@@ -176,7 +197,8 @@ class AttributionStore:
         Returns:
             ``{"time", "since", "min_score", "engines": [every engine the store has seen,
             whatever ``engine`` is], "requests": {engine: {"requests", "ok", "failed",
-            "slow", "outcomes", "phases": {phase: {"n", "p50", "p95", "p99"}}}},
+            "slow", "slo_missed", "slo_missed_not_slow", "outcomes", "phases": {phase: {"n",
+            "p50", "p95", "p99"}}}},
             "slow_by_cause": {engine: {primary cause: n}}, "scored_by_cause": {engine:
             {cause: n}}, "evidence": [...], "dominant": [...], "unassessed": [...],
             "attributions": [...], "windows": [...], "totals": {engine: {cause: n}}}``.
@@ -236,6 +258,8 @@ def _request_stats(reqs: list[RequestSummary]) -> dict[str, Any]:
             "ok": len(ok),
             "failed": len(rs) - len(ok),
             "slow": sum(1 for r in rs if r.slow),
+            "slo_missed": sum(1 for r in rs if r.slo_missed),
+            "slo_missed_not_slow": sum(1 for r in rs if r.slo_missed and not r.slow),
             "outcomes": dict(Counter(r.outcome for r in rs)),
             "phases": {k: _q(phases[k]) for k in PHASES if phases.get(k)},
         }

@@ -107,17 +107,25 @@ async def run_load(
     seed: int = 1,
     timeout_s: float = 300.0,
     pad_bytes: int = 0,
+    long_every: int = 0,
+    long_words: int = 0,
 ) -> list[Result]:
     """Send ``n`` streaming completions with ``concurrency`` workers; return the results.
 
     ``pad_bytes`` adds a field the server ignores (``client_metadata``) so the request body
     is that much larger without more prompt tokens (a client that sends history or
     attachments); the network scenario uses it so the shaped link delays the upload.
+    With ``long_every`` > 0, one request in ``long_every`` (at a random place in each run
+    of that many) has a prompt of ``long_words`` words instead (a mixed-length workload).
     """
     rng = random.Random(seed)
+    long_at: set[int] = set()
+    if long_every > 0:
+        for k in range(0, n, long_every):
+            long_at.add(k + rng.randrange(long_every))
     bodies: list[dict[str, Any]] = [
         {
-            "prompt": prompt(words, rng),
+            "prompt": prompt(long_words if i in long_at else words, rng),
             "n_predict": n_predict,
             "stream": True,
             "cache_prompt": False,

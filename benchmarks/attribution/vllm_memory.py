@@ -38,6 +38,15 @@ new requests):
   requests. The hogs started before the scenario's time range, so their own records are
   not counted in it.
 
+* ``decode``: decode-phase preemption. 4 decode hogs (32 prompt + 1,500 output tokens,
+  growing to 12 blocks each) start 1 s ahead; then ``--decode-requests`` (16) concurrent
+  clients send 32 prompt + 600 output tokens, 50 ms apart: each is admitted at once (1
+  block; TTFT stays calm) and grows to 5 blocks, 128 blocks in all for the 48 that exist,
+  so vLLM preempts the newest running requests, these, in their decode; they wait for
+  blocks until the hogs finish and are recomputed. Target: >= 90 %
+  of the requests flagged slow (their time per output token, not their TTFT) and >= 90 %
+  of those attributed to memory with ``preemptions`` in their top evidence.
+
   Why hogs and long outputs: without the hogs, the first wave of a burst into an idle
   engine is slow (TTFT 0.07-0.3 s against the 50 ms baseline threshold) only because
   twelve 512-token prefills share two cores, before the KV cache is full, and the agent
@@ -119,7 +128,7 @@ TARGET_CALM_SLOW: float = bench.TARGET_CALM_SLOW
 
 ENGINE = "vllm"
 SERVICE = "kvbench-vllm"
-SCENARIOS = ("calm", "memory")
+SCENARIOS = ("calm", "memory", "decode")
 KV_BLOCKS, BLOCK_TOKENS = 48, 128
 SPAN_PHASES = ("queue", "prefill", "decode")
 SPAN_PHASE_SHARE = 0.9
@@ -140,6 +149,19 @@ class Shape:
 CALM = Shape(concurrency=2, prompt_tokens=32, max_tokens=16)
 MEMORY = Shape(concurrency=12, prompt_tokens=512, max_tokens=1200)
 HOGS = Shape(concurrency=4, prompt_tokens=512, max_tokens=1500)
+DECODE = Shape(concurrency=16, prompt_tokens=32, max_tokens=600)
+"""Decode-phase preemption: 16 short prompts (1 block each: admitted at once, TTFT fine)
+growing to 5 blocks each while the decode hogs grow too: vLLM preempts the newest running
+requests (these) in their decode, and they wait for blocks until the hogs finish."""
+DECODE_HOGS = Shape(concurrency=4, prompt_tokens=32, max_tokens=1500)
+"""Older requests that grow to 12 blocks each (48 for 4): vLLM never preempts them (it
+preempts the newest), so they hold the KV the scenario's requests need."""
+DECODE_HOG_LEAD_S = 1.0
+"""The decode hogs start this long before the scenario's requests: long enough to be the
+older requests, short enough that the KV still has room to admit the scenario's (TTFT)."""
+DECODE_STAGGER_S = 0.05
+"""The decode scenario's requests arrive this far apart (a burst of 16 prefills in one batch
+would make their TTFT slow too; the scenario is about the decode)."""
 
 
 @dataclass
@@ -165,6 +187,9 @@ def _preemptions(vllm_url: str) -> float:
 
 
 async def _one(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> Result:
+    delay = body.pop("_delay_s", 0.0)
+    if delay:
+        await asyncio.sleep(delay)
     start = time.time()
     try:
         resp = await client.post(f"{url}/v1/completions", json=body)
@@ -179,7 +204,9 @@ async def _one(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> Res
     return Result(start, end, None, resp.status_code, error)
 
 
-async def run_load(url: str, n: int, shape: Shape, seed: int) -> list[Result]:
+async def run_load(
+    url: str, n: int, shape: Shape, seed: int, stagger_s: float = 0.0
+) -> list[Result]:
     """``n`` completions from ``shape.concurrency`` closed-loop workers.
 
     Prompts are ``shape.prompt_tokens`` random token ids (a different sequence per request,
@@ -197,6 +224,9 @@ async def run_load(url: str, n: int, shape: Shape, seed: int) -> list[Result]:
         }
         for _ in range(n)
     ]
+    for i, b in enumerate(bodies[: shape.concurrency]):
+        if stagger_s:
+            b["_delay_s"] = i * stagger_s  # the first requests arrive one by one, not as a burst
     return await closed_loop(url, bodies, shape.concurrency, _one, timeout_s=600.0)
 
 
@@ -289,9 +319,9 @@ class Bench:
             if p is not None:
                 vs.stop_group(p, grace_s=grace)
 
-    def load(self, n: int, shape: Shape, seed: int) -> list[Result]:
+    def load(self, n: int, shape: Shape, seed: int, stagger_s: float = 0.0) -> list[Result]:
         self.sent += n
-        return asyncio.run(run_load(self.vllm_url, n, shape, seed))
+        return asyncio.run(run_load(self.vllm_url, n, shape, seed, stagger_s))
 
     def attributions(self, since: float, limit: int = 0) -> dict[str, Any]:
         resp = httpx.get(
@@ -336,13 +366,14 @@ class Bench:
         requests are done, and the hogs are awaited after that.
         """
         res = VllmScenarioResult(name)
+        lead = self.args.hog_lead_s if name == "memory" else DECODE_HOG_LEAD_S
         preempted0 = _preemptions(self.vllm_url)
         hog_thread: threading.Thread | None = None
         hog_results: list[Result] = []
         if hogs is not None and hogs.concurrency > 0:
             log(
                 f"{name}: {hogs.concurrency} KV hogs of {hogs.prompt_tokens} prompt + "
-                f"{hogs.max_tokens} output tokens, {self.args.hog_lead_s:g}s ahead"
+                f"{hogs.max_tokens} output tokens, {lead:g}s ahead"
             )
             self.sent += hogs.concurrency
 
@@ -353,13 +384,13 @@ class Bench:
 
             hog_thread = threading.Thread(target=hog, daemon=True)
             hog_thread.start()
-            time.sleep(self.args.hog_lead_s)
+            time.sleep(lead)
         log(
             f"{name}: {n} requests, {shape.concurrency} concurrent, "
             f"{shape.prompt_tokens} prompt + {shape.max_tokens} output tokens each"
         )
         res.start = time.time()
-        results = self.load(n, shape, seed)
+        results = self.load(n, shape, seed, DECODE_STAGGER_S if name == "decode" else 0.0)
         res.end = time.time()
         if hog_thread is not None:
             hog_thread.join()
@@ -383,7 +414,7 @@ class Bench:
             res.fault += (
                 f", after {hogs.concurrency} KV hogs x {hogs.prompt_tokens}+{hogs.max_tokens} "
                 f"({hogs.concurrency * _blocks(hogs)} blocks) started "
-                f"{self.args.hog_lead_s:g}s ahead"
+                f"{lead:g}s ahead"
             )
         res.fault += (
             f"; {KV_BLOCKS} blocks exist); vLLM preemptions +{res.preemptions:.0f}; "
@@ -442,6 +473,17 @@ def load_checks(results: list[Any]) -> list[str]:
                 f"{queue_p95:.2f}s: the load did not exhaust the KV cache (needs > 0 and "
                 f">= {MEMORY_QUEUE_P95_S:.0f}s)"
             )
+        if r.name == "decode":
+            if not r.preemptions > 0:
+                problems.append(f"decode: vLLM preemptions +{r.preemptions:.0f}: none happened")
+            if r.slow < bench.TARGET_ACCURACY * r.requests:
+                problems.append(
+                    f"decode: {r.slow} of {r.requests} requests flagged slow "
+                    f"(target >= {bench.TARGET_ACCURACY:.0%})"
+                )
+            pre = r.evidence.get("memory:preemptions", 0)
+            if r.slow and pre < bench.TARGET_ACCURACY * r.slow:
+                problems.append(f"decode: preemption evidence in {pre} of {r.slow} slow requests")
         if r.name == "calm" and r.preemptions != 0:
             problems.append(f"calm: vLLM preemptions +{r.preemptions:.0f}")
     return problems
@@ -480,7 +522,7 @@ def run(args: argparse.Namespace) -> tuple[list[Any], dict[str, Any], str, bool,
     results: list[Any] = []
     memory = Shape(args.memory_concurrency, args.memory_prompt_tokens, args.memory_max_tokens)
     hogs = Shape(args.kv_hogs, HOGS.prompt_tokens, args.hog_max_tokens)
-    shapes = {"calm": CALM, "memory": memory}
+    shapes = {"calm": CALM, "memory": memory, "decode": DECODE}
     t_begin = time.time()
     try:
         log(f"starting vLLM (work dir {work})")
@@ -494,11 +536,11 @@ def run(args: argparse.Namespace) -> tuple[list[Any], dict[str, Any], str, bool,
             results.append(
                 b.scenario(
                     name,
-                    bench.requests_of(args, name),
+                    args.decode_requests if name == "decode" else bench.requests_of(args, name),
                     shapes[name],
                     2000 + 100 * i,
                     t_begin,
-                    hogs if name == "memory" else None,
+                    hogs if name == "memory" else DECODE_HOGS if name == "decode" else None,
                 )
             )
         b.wait_records(t_begin)
@@ -557,6 +599,12 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         default=3.0,
         help="seconds the hogs run before the scenario's requests start",
+    )
+    p.add_argument(
+        "--decode-requests",
+        type=int,
+        default=DECODE.concurrency,
+        help="requests of the decode scenario (one wave of 24 by default)",
     )
     p.add_argument("--workdir", default=None, help="where logs go (default: the temp dir)")
     args = bench.parse(p, argv, SCENARIOS)

@@ -9,6 +9,10 @@ KV-cache-starved load (30 x 512-token prompts asking for 1,200 tokens, 48 KV blo
 attributed to memory; the records must come from the spans (queue, prefill and decode times)
 and the load must really fill the KV cache and preempt. Skips like the other vLLM tests when
 the vLLM virtualenv or the model is missing (fails under ``KVPRESSURE_E2E_REQUIRED=1``).
+
+The benchmark's ``decode`` scenario (decode-phase preemption) is not run here: on 2 cores
+it does not yet preempt reliably (vLLM preemptions +16 in one run, +1 in the next), so it
+is a benchmark, not a gate (``benchmarks/attribution/README.md``).
 """
 
 from __future__ import annotations
@@ -59,6 +63,8 @@ def test_reduced_vllm_memory_attribution(tmp_path: Path) -> None:
             str(REQUESTS),
             "--calm-requests",
             str(CALM_REQUESTS),
+            "--scenarios",
+            "calm,memory",
             "--json",
             str(out),
             "--workdir",

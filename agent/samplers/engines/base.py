@@ -17,7 +17,10 @@ the type's mapping (:mod:`~agent.samplers.engines.normalize`) and runs the type'
   or of a kept engine label refused by the per-engine cap over a window, counted once per
   scrape each) and ``kvpressure_engine_counters_withheld`` (per-model counters the engine
   does not count);
-* ``kvpressure_engine_info{engine,instance,type,model}`` (``type="unknown"`` until known).
+* ``kvpressure_engine_info{engine,instance,type,model}`` (``type="unknown"`` until known);
+* once normalized, for an engine with token counters, ``kvpressure_engine_stats_stale``
+  and the source ``stats`` (:mod:`~agent.samplers.engines.staleness`: token counters
+  frozen while the gauges claim running requests or a full KV cache).
 
 An engine that is down is data, not a sampler failure: :meth:`EngineSampler.collect` does
 not raise for HTTP errors, refused connections, timeouts, JSON or garbage; it records
@@ -55,6 +58,7 @@ from agent.samplers.engines.normalize import (
     Normalizer,
 )
 from agent.samplers.engines.registry import DETECTION_FALLBACK, ENGINE_TYPES
+from agent.samplers.engines.staleness import STALE, StaleTracker
 from agent.samples import Batch, Sample, make_labels
 
 log = logging.getLogger(__name__)
@@ -215,6 +219,7 @@ class EngineSampler(Sampler):
         self._withheld: int | None = None
         self._models: list[str] = []
         self._failing = ""
+        self._stale = StaleTracker()
         self._wanted: frozenset[str] | None = None
         self._pod_labels = pod_labels
         if engine_type != AUTO:
@@ -350,6 +355,13 @@ class EngineSampler(Sampler):
         mark = len(batch.samples)
         batch.samples.extend(scrape.samples)
         kv_failed = self._addon.after(ctx, scrape) if self._addon else False
+        stale = self._stale.update(time.monotonic(), batch.samples[mark:])
+        if stale is not None:
+            batch.add(STALE, 1 if stale else 0, engine=self.engine, instance=self.instance)
+            if stale:
+                batch.source_error("stats", "stale")
+            else:
+                batch.source_ok("stats")
         self._models = scrape.models or (
             [default_model] if default_model and normalizer.admits(default_model) else []
         )

@@ -1,0 +1,363 @@
+"""The four symptoms of issue 13, each against the real detector, rules and sampler:
+
+1. a decode stall after a calm first token is slow (judged on its time per output token);
+2. a long prompt prefilled at the usual per-token rate is not slow;
+3. queueing at the concurrency cap with KV headroom is ``concurrency``, not ``memory``;
+4. stale engine statistics (token counters frozen while gauges claim work) are never
+   evidence, and the engine sampler marks them stale.
+
+The module imports only what the code before issue 13 already had, and the new names
+inside the tests, so run against that code each symptom test fails on its assertion.
+"""
+
+from __future__ import annotations
+
+import httpx
+
+from agent.attribution.detector import SlowDetector
+from agent.attribution.engine import Attributor, primary_cause
+from agent.attribution.rules import Params, Scope, evaluate
+from agent.attribution.sampler import AttributionSampler
+from agent.attribution.signals import Signals
+from agent.attribution.store import AttributionStore
+from agent.requests.record import RequestRecord, RequestStream
+from agent.samplers.engines.base import EngineSampler
+from agent.samples import Batch, Sample, make_labels
+from agent.timeline import Timeline
+
+T = 1_800_000_000.0
+ENG = "vllm"
+
+
+def span(start: float, ttft: float, decode: float, out: int = 64, prompt: int = 100,
+         **kw: object) -> RequestRecord:  # fmt: skip
+    """A vLLM ``llm_request`` span as the OTLP receiver records it."""
+    return RequestRecord(
+        engine=ENG, start=T + start, end=T + start + ttft + decode, source="otlp",
+        ttft_s=ttft, e2e_s=ttft + decode, queue_s=0.001, prefill_s=ttft - 0.001,
+        decode_s=decode, input_tokens=prompt, output_tokens=out, **kw,  # type: ignore[arg-type]
+    )  # fmt: skip
+
+
+# --- 1. decode stalls --------------------------------------------------------------------
+
+
+def test_a_decode_stall_after_a_calm_first_token_is_slow():
+    d = SlowDetector()
+    for i in range(60):
+        v = d.judge(span(i, 0.06, 63 * (0.02 + 0.0002 * (i % 5))))
+        assert v is not None and not v.slow
+    for i in range(5):  # 64 tokens at 0.9 s each (45x), TTFT as calm as ever
+        v = d.judge(span(100 + i, 0.06, 63 * 0.9))
+        assert v is not None and v.slow
+        assert v.phase == "tpot" and "ttft" not in v.phases and "prefill" not in v.phases
+        assert v.latency_s == 0.9 and v.basis == "baseline"
+        # the decode is the span attributed, not the whole request
+        assert v.start == T + 100 + i + 0.06
+
+
+def test_a_decode_stall_is_judged_on_the_longest_gap_of_a_stream():
+    d = SlowDetector()
+    gaps = (0.02,) * 15
+    for i in range(40):
+        d.judge(RequestRecord(ENG, T + i, T + i + 0.4, ttft_s=0.1, e2e_s=0.4, itl_s=gaps,
+                              output_tokens=16))  # fmt: skip
+    stalled = (0.02,) * 7 + (1.2,) + (0.02,) * 7  # one 1.2 s stall; TPOT 0.1 s, under SLO
+    v = d.judge(RequestRecord(ENG, T + 50, T + 51.6, ttft_s=0.1, e2e_s=1.6, itl_s=stalled,
+                              output_tokens=16))  # fmt: skip
+    assert v is not None and v.slow and v.phase == "itl_max"
+
+
+def test_tpot_slo():
+    d = SlowDetector(slo_tpot_s=0.1)
+    v = d.judge(span(0, 0.05, 63 * 0.2))  # warm-up: only the SLOs judge
+    assert v is not None and v.slow and v.phase == "tpot" and v.basis == "slo"
+
+
+# --- 2. long prompts ---------------------------------------------------------------------
+
+
+def test_a_long_prompt_at_the_usual_per_token_rate_is_not_slow():
+    d = SlowDetector(slo_ttft_s=2.0)
+    for i in range(60):  # 100-token prompts at 0.5 ms per token, +-4 %
+        ttft = 0.05 * (1 + 0.04 * ((i % 5) - 2))
+        d.judge(RequestRecord(ENG, T + i, T + i + 1, ttft_s=ttft, e2e_s=1.0, input_tokens=100))
+    for i in range(3):  # 3,000 tokens at exactly that rate: TTFT 1.5 s
+        v = d.judge(
+            RequestRecord(ENG, T + 70 + i, T + 72 + i, ttft_s=1.5, e2e_s=2.0, input_tokens=3000)
+        )
+        assert v is not None and not v.slow, v
+    # 6,000 tokens at that rate miss the 2 s TTFT SLO only because they are long: not slow,
+    # the miss reported
+    v = d.judge(RequestRecord(ENG, T + 75, T + 79, ttft_s=3.0, e2e_s=3.5, input_tokens=6000))
+    assert v is not None and not v.slow and v.slo_missed == ("ttft",)
+    # a short prompt that took as long is slow, and so is a long one 3x its expected cost
+    v = d.judge(RequestRecord(ENG, T + 80, T + 82, ttft_s=1.5, e2e_s=2.0, input_tokens=100))
+    assert v is not None and v.slow and v.phase == "ttft"
+    v = d.judge(RequestRecord(ENG, T + 90, T + 96, ttft_s=4.5, e2e_s=5.0, input_tokens=3000))
+    assert v is not None and v.slow
+
+
+def test_the_fit_learns_the_per_token_cost_from_a_mixed_workload():
+    from agent.attribution.detector import CostModel, theil_sen
+
+    pts = [(100.0 + (i % 7), 0.05 + 0.0005 * (i % 7)) for i in range(54)]
+    pts += [(1650.0 + i, 0.05 + 0.0005 * (1550 + i)) for i in range(6)]
+    a, b = theil_sen(pts)
+    assert abs(b - 0.0005) < 1e-4 and abs(a) < 0.05
+    m = CostModel(500)
+    for x, y in pts:
+        m.add(x, y)
+    assert 0.8 < m.expected(1650) / 0.825 < 1.25
+
+
+def test_prefix_cache_hits_are_not_prefill_work():
+    d = SlowDetector()
+    for i in range(40):
+        d.judge(RequestRecord(ENG, T + i, T + i + 1, ttft_s=0.05, e2e_s=1.0, input_tokens=100))
+    # 3,000 tokens of which 2,900 hit the prefix cache: costs what 100 do
+    v = d.judge(RequestRecord(ENG, T + 50, T + 51, ttft_s=0.055, e2e_s=1.0, input_tokens=3000,
+                              cached_tokens=2900))  # fmt: skip
+    assert v is not None and not v.slow
+
+
+# --- 3. concurrency cap ------------------------------------------------------------------
+
+
+def _points(series: dict[tuple[str, tuple[tuple[str, str], ...]], float], lo: int = -30,
+            hi: int = 30) -> Signals:  # fmt: skip
+    pts: dict[str, dict[tuple[tuple[str, str], ...], list[tuple[float, float]]]] = {}
+    for (name, labels), v in series.items():
+        pts.setdefault(name, {})[labels] = [(T + k, v) for k in range(lo, hi + 1)]
+    return Signals.from_points(pts)
+
+
+def L(**kw: str) -> tuple[tuple[str, str], ...]:
+    return make_labels(dict(kw))
+
+
+def test_queueing_at_the_slot_cap_with_kv_headroom_is_concurrency_not_memory():
+    e = "llamacpp"
+    sig = _points({
+        ("kvpressure_engine_up", L(engine=e)): 1.0,
+        ("kvpressure_engine_slots", L(engine=e, state="total")): 4.0,
+        ("kvpressure_engine_slots", L(engine=e, state="processing")): 4.0,
+        ("kvpressure_engine_requests_waiting", L(engine=e)): 4.0,
+        ("kvpressure_engine_kv_cache_usage_ratio", L(engine=e)): 0.06,
+    })  # fmt: skip
+    r = RequestRecord(e, T, T + 6, ttft_s=5.0, e2e_s=6.0, input_tokens=199, output_tokens=64)
+    scores, evidence, _ = evaluate(sig, Scope(e, T, T + 5, 2.0, r), Params())
+    assert primary_cause(scores, 0.3) == "concurrency"
+    assert scores["memory"] == 0.0
+    cap = next(x for x in evidence if x.signal == "queue_at_cap")
+    assert cap.labels == {"cap": "4"}
+    from agent.attribution.model import REMEDIES
+
+    assert "--max-num-seqs" in REMEDIES["concurrency"]
+
+
+def test_queueing_while_kv_is_full_stays_memory():
+    e = "vllm"
+    sig = _points({
+        ("kvpressure_engine_up", L(engine=e)): 1.0,
+        ("kvpressure_engine_requests_running", L(engine=e)): 12.0,
+        ("kvpressure_engine_requests_waiting", L(engine=e)): 4.0,
+        ("kvpressure_engine_kv_cache_usage_ratio", L(engine=e)): 0.99,
+    })  # fmt: skip
+    scores, _, _ = evaluate(sig, Scope(e, T, T + 5, 2.0), Params())
+    assert primary_cause(scores, 0.3) == "memory" and scores["concurrency"] == 0.0
+
+
+def test_waiting_behind_a_long_prefill_is_named_with_the_blocker_size():
+    e = "llamacpp"
+    sig = _points({("kvpressure_engine_up", L(engine=e)): 1.0})
+    blocker = RequestRecord(e, T - 0.5, T + 3.5, ttft_s=3.0, e2e_s=4.0, input_tokens=1650)
+    r = RequestRecord(e, T, T + 3.2, ttft_s=3.0, e2e_s=3.2, input_tokens=55)
+    sc = Scope(e, T, T + 3.0, 2.0, r, (blocker,))  # type: ignore[call-arg]
+    scores, evidence, _ = evaluate(sig, sc, Params())
+    assert primary_cause(scores, 0.3) == "prefill_interference"
+    (x,) = [x for x in evidence if x.signal == "prefill_interference"]
+    assert x.labels["blocker_tokens"] == "1650" and x.value > 0.8
+
+
+# --- 4. stale engine statistics ----------------------------------------------------------
+
+
+def stale_timeline(stale: bool) -> Timeline:
+    """vLLM after every request aborted: KV 99 %, 57 running, no token for 35 s."""
+    tl = Timeline(4096, 1000)
+    for k in range(-40, 30):
+        lab = L(engine=ENG, instance="h:1")
+        tl.append(T + k, [
+            Sample("kvpressure_engine_up", 1.0, lab),
+            Sample("kvpressure_engine_kv_cache_usage_ratio", 0.99, L(engine=ENG)),
+            Sample("kvpressure_engine_requests_running", 57.0, L(engine=ENG)),
+            Sample("kvpressure_engine_requests_waiting", 3.0, L(engine=ENG)),
+            Sample("kvpressure_engine_generation_tokens_total", 5000.0, L(engine=ENG)),
+            Sample("kvpressure_engine_stats_stale", 1.0 if stale else 0.0, lab),
+        ])  # fmt: skip
+    return tl
+
+
+def test_stale_engine_statistics_are_never_evidence():
+    tl = stale_timeline(stale=True)
+    store = AttributionStore()
+    stream = RequestStream()
+    s = AttributionSampler(
+        stream, tl, store, SlowDetector(slo_ttft_s=2.0), Attributor(Params()),
+        settle_s=1.0, clock=lambda: T + 25,
+    )  # fmt: skip
+    stream.submit(RequestRecord(ENG, T + 5, T + 10, ttft_s=4.0, e2e_s=5.0))
+    s.collect(Batch())
+    (a,) = store.attributions()
+    assert a.cause != "memory" and a.scores["memory"] == 0.0
+    from agent.attribution.model import ENGINE_METRICS_STALE
+
+    assert ENGINE_METRICS_STALE in a.unassessed
+    assert not any(e.metric.startswith("kvpressure_engine_") for e in a.evidence)
+
+
+def test_fresh_statistics_still_count():
+    tl = stale_timeline(stale=False)
+    store = AttributionStore()
+    stream = RequestStream()
+    s = AttributionSampler(
+        stream, tl, store, SlowDetector(slo_ttft_s=2.0), Attributor(Params()),
+        settle_s=1.0, clock=lambda: T + 25,
+    )  # fmt: skip
+    stream.submit(RequestRecord(ENG, T + 5, T + 10, ttft_s=4.0, e2e_s=5.0))
+    s.collect(Batch())
+    (a,) = store.attributions()
+    assert a.cause == "memory"
+
+
+def test_stale_tracker():
+    from agent.samplers.engines.staleness import StaleTracker
+
+    t = StaleTracker(stale_after_s=30.0)
+
+    def scrape(tokens: float, running: float, kv: float) -> list[Sample]:
+        return [
+            Sample("kvpressure_engine_generation_tokens_total", tokens, L(model="m")),
+            Sample("kvpressure_engine_requests_running", running, L(model="m")),
+            Sample("kvpressure_engine_kv_cache_usage_ratio", kv, L(model="m")),
+        ]
+
+    assert t.update(0.0, []) is None  # no token counter: cannot tell
+    assert t.update(0.0, scrape(100, 0, 0.1)) is False  # idle: frozen counters are normal
+    assert t.update(100.0, scrape(100, 0, 0.1)) is False
+    assert t.update(101.0, scrape(100, 5, 0.5)) is False  # work claimed from now on
+    assert t.update(130.0, scrape(100, 5, 0.5)) is False
+    assert t.update(131.5, scrape(100, 5, 0.5)) is True  # 30.5 s of claimed work, no token
+    assert t.update(132.0, scrape(101, 5, 0.5)) is False  # a token: fresh again
+    assert t.update(140.0, scrape(101, 0, 0.99)) is False  # a full KV claims work too
+    assert t.update(171.0, scrape(101, 0, 0.99)) is True
+
+
+def test_stale_tracker_counts_moving_work_gauges_as_progress():
+    """llama-server adds generated tokens to its counter when a request ends: a long decode
+    freezes the counter while its KV usage grows every token; that is work, not staleness."""
+    from agent.samplers.engines.staleness import StaleTracker
+
+    t = StaleTracker(stale_after_s=30.0)
+
+    def scrape(tokens: float, running: float, kv: float, used: float) -> list[Sample]:
+        return [
+            Sample("kvpressure_engine_generation_tokens_total", tokens, L(model="m")),
+            Sample("kvpressure_engine_requests_running", running, L(model="m")),
+            Sample("kvpressure_engine_kv_cache_usage_ratio", kv, L(model="m")),
+            Sample("kvpressure_engine_kv_cache_used_tokens", used, L(model="m")),
+        ]
+
+    # 4 slots decoding for 60 s: counter frozen at 500, KV used growing ~10 tokens/s
+    for i in range(61):
+        assert t.update(float(i), scrape(500, 4, 0.05 + i * 0.001, 400 + 10 * i)) is False
+    # the same numbers scrape after scrape under claimed work: stale after 30 s
+    for i in range(61, 92):
+        assert t.update(float(i), scrape(500, 4, 0.12, 1010)) is (i - 61 >= 30)
+
+
+VLLM_FROZEN = """# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{model_name="m"} 57
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{model_name="m"} 0
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{model_name="m"} 0.99
+# TYPE vllm:generation_tokens_total counter
+vllm:generation_tokens_total{model_name="m"} 5000
+# TYPE vllm:prompt_tokens_total counter
+vllm:prompt_tokens_total{model_name="m"} 9000
+"""
+
+
+def test_engine_sampler_marks_frozen_statistics_stale(monkeypatch):
+    now = {"t": 1000.0}
+    monkeypatch.setattr("agent.samplers.engines.base.time.monotonic", lambda: now["t"])
+    transport = httpx.MockTransport(
+        lambda req: httpx.Response(200, text=VLLM_FROZEN,
+                                   headers={"content-type": "text/plain; version=0.0.4"})
+    )  # fmt: skip
+    s = EngineSampler("v", "http://127.0.0.1:9", engine_type="vllm", transport=transport)
+
+    def cycle() -> tuple[float | None, dict[str, tuple[str, str]]]:
+        b = Batch()
+        s.collect(b)
+        vals = [x.value for x in b.samples if x.name == "kvpressure_engine_stats_stale"]
+        return (vals[0] if vals else None), {x.source: (x.state, x.reason) for x in b.sources}
+
+    try:
+        assert cycle() == (0.0, {"metrics": ("ok", ""), "stats": ("ok", "")})
+        now["t"] += 35.0
+        assert cycle() == (1.0, {"metrics": ("ok", ""), "stats": ("error", "stale")})
+    finally:
+        s.close()
+
+
+# --- explain -----------------------------------------------------------------------------
+
+
+def test_explain_tells_what_to_change_for_every_cause_that_scored():
+    from agent.attribution.explain import render
+    from agent.attribution.model import REMEDIES, Attribution
+
+    store = AttributionStore()
+    scores = {"memory": 0.0, "concurrency": 0.8, "compute": 0.45, "storage": 0.1}
+    store.add_attribution(
+        Attribution(
+            engine="llamacpp", start=T, end=T + 6, cause="concurrency", scores=scores,
+            evidence=(), unassessed=(), phase="ttft", latency_s=5.0, threshold_s=0.3,
+            basis="baseline", slow_phases=(("ttft", 5.0, 0.3, "baseline"),
+                                           ("queue", 4.8, 0.05, "baseline")),
+        )
+    )  # fmt: skip
+    text = render(store.query(T - 10, T + 20))
+    assert "WHAT TO CHANGE" in text
+    assert REMEDIES["concurrency"] in text and REMEDIES["compute"] in text
+    assert REMEDIES["storage"] not in text and REMEDIES["memory"] not in text
+    assert "[slow: ttft, queue]" in text
+
+
+def test_noise_in_similar_sizes_does_not_excuse_a_slow_larger_request():
+    """Calm prompts of 40-60 tokens with noisy TTFT must not fit a steep slope that makes a
+    300-token request waiting 5.8 s look expected (the llama.cpp memory scenario)."""
+    d = SlowDetector()
+    for i in range(70):
+        tokens = 40 + (i * 7) % 21
+        ttft = 0.19 * (1 + 0.3 * ((i * 5) % 7 - 3) / 3) * (1 + (tokens - 40) / 40)
+        d.judge(RequestRecord(ENG, T + i, T + i + 1, ttft_s=ttft, e2e_s=1.0, input_tokens=tokens))
+    for i in range(20):
+        v = d.judge(
+            RequestRecord(ENG, T + 100 + i, T + 107 + i, ttft_s=5.8, e2e_s=7.0, input_tokens=320)
+        )
+        assert v is not None and v.slow, v
+    # a TTFT past the SLO is never learnt, so the same requests stay slow
+    assert d.baseline_size(ENG, "ttft") == 70
+
+
+def test_the_cap_yields_to_a_shortage_that_slows_the_engine():
+    """8 requests for 4 slots while the engine swaps: the queue at the cap is the swap's
+    symptom; memory is named, concurrency still scored (and its remedy shown)."""
+    scores = {"memory": 0.6, "concurrency": 0.8, "compute": 0.1}
+    assert primary_cause(scores, 0.3) == "memory"
+    assert primary_cause({"memory": 0.2, "concurrency": 0.8}, 0.3) == "concurrency"
+    assert primary_cause({"concurrency": 0.2}, 0.3) == "unknown"
