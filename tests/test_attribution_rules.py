@@ -330,6 +330,23 @@ def test_engine_metrics_down_is_unassessed_not_no_memory():
     assert primary_cause(scores, 0.3) == "unknown"
 
 
+def test_one_failed_scrape_in_a_long_request_leaves_the_engine_assessed():
+    """A busy engine that answers one scrape late in a minute-long request (a new user's
+    llama.cpp at 8 streams for 4 slots) keeps its other samples as evidence."""
+    long = Scope(ENG, T - 50, T + 14, 2.0, rec(start=T - 50), ())
+    s = Synth(engine_up=False).add(
+        "kvpressure_engine_up", lambda k: 0.0 if k == -20 else 1.0, engine=ENG
+    )
+    _, _, unassessed = evaluate(s.signals(), long, Params())
+    assert unassessed == ()
+    # down for a third of the same span: not assessed
+    s = Synth(engine_up=False).add(
+        "kvpressure_engine_up", lambda k: 0.0 if -30 <= k <= -10 else 1.0, engine=ENG
+    )
+    _, _, unassessed = evaluate(s.signals(), long, Params())
+    assert unassessed == (ENGINE_METRICS,)
+
+
 def test_engine_never_scraped_is_unassessed():
     _, _, unassessed = run(Synth(engine_up=False))
     assert unassessed == (ENGINE_METRICS,)

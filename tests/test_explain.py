@@ -320,3 +320,19 @@ def test_explain_html_to_an_unwritable_path_is_one_line_and_exit_1(daemon, capsy
     assert err.startswith("kvpressure explain: cannot write ") and err.count("\n") == 1
     assert main(["explain", "--url", base, "--html", str(tmp_path / "x.html")]) == 0
     assert (tmp_path / "x.html").read_text().startswith("<!DOCTYPE html>")
+
+
+def test_no_range_starts_before_the_asked_start():
+    """Windows are aligned to 10 s: the first one straddles the agent's start (or --since);
+    the NOT ASSESSED and WHEN EACH CAUSE DOMINATED ranges start at it, never before."""
+    st = AttributionStore()
+    since = T + 3.0  # the agent started 3 s into the first window
+    st.add_window(
+        WindowAttribution(
+            "llamacpp", T, T + 10, "memory", {"memory": 0.9}, (), ("engine_metrics",), 4, 2, 0.5
+        )
+    )
+    doc = st.query(since, T + 60)
+    assert [u["start"] for u in doc["unassessed"]] == [since]
+    assert [d["start"] for d in doc["dominant"]] == [since]
+    assert all(u["end"] == T + 10 for u in doc["unassessed"])

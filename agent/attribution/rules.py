@@ -331,14 +331,21 @@ def engine_match(sc: Scope) -> dict[str, str]:
 
 
 def engine_unavailable(sig: Signals, sc: Scope) -> bool:
-    """True when the engine's metrics were not usable for part or all of the scope.
+    """True when the engine's metrics were not usable for much of the scope.
 
-    ``kvpressure_engine_up`` was 0 at some sample in the scope, or the engine has no
-    ``kvpressure_engine_up`` series at all (not scraped). Case 20: then memory cannot be
-    ruled out, and the attribution lists :data:`ENGINE_METRICS` as unassessed.
+    ``kvpressure_engine_up`` was 0 in at least :data:`ENGINE_DOWN_SHARE` of the scope's
+    samples, or the engine has no ``kvpressure_engine_up`` series at all (not scraped).
+    Case 20: then memory cannot be ruled out, and the attribution lists
+    :data:`ENGINE_METRICS` as unassessed. One failed scrape in a minute-long request (a
+    busy engine answering late once) leaves the rest of its samples as evidence.
     """
     vals = sig.gauge_values(ENGINE_UP, sc.a, sc.b, engine_match(sc))
-    return not vals or min(vals) < 1.0
+    return not vals or sum(v < 1.0 for v in vals) >= ENGINE_DOWN_SHARE * len(vals)
+
+
+ENGINE_DOWN_SHARE = 0.25
+"""Share of a scope's ``kvpressure_engine_up`` samples at 0 from which the engine's metrics
+count as unavailable for it."""
 
 
 STATS_STALE = "kvpressure_engine_stats_stale"

@@ -218,6 +218,12 @@ class AttributionStore:
             atts = [a for a in atts if a.engine == engine]
             wins = [w for w in wins if w.engine == engine]
             totals = {k: v for k, v in totals.items() if k[0] == engine}
+        # windows are aligned to window_s: the first one can start before ``since`` (the
+        # asked start, or the agent's start): no range is shown before it
+        dominant = [{**d, "start": max(d["start"], since)} for d in _dominant(wins, atts, window_s)]
+        unassessed = [
+            {**u, "start": max(u["start"], since)} for u in _unassessed(atts, wins, window_s)
+        ]
         return {
             "time": now,
             "since": since,
@@ -227,8 +233,8 @@ class AttributionStore:
             "slow_by_cause": _by_cause(atts),
             "scored_by_cause": _scored_by_cause(atts, min_score),
             "evidence": _strongest_evidence(atts, min_score),
-            "dominant": _dominant(wins, atts, window_s),
-            "unassessed": _unassessed(atts, wins, window_s),
+            "dominant": dominant,
+            "unassessed": unassessed,
             "attributions": [a.to_dict() for a in atts[-limit:]] if limit > 0 else [],
             "windows": [w.to_dict() for w in wins if w.cause is not None][-limit:],
             "totals": _nest(totals),
