@@ -95,7 +95,8 @@ class SamplersConfig(_Model):
 
     The keys are the names in the pipeline registry (:mod:`agent.pipeline`; a test keeps them
     equal). ``interval_s`` defaults to the global ``interval_s``; ``accelerator`` runs right
-    after each GPU report whatever its interval.
+    after each GPU report whatever its interval; ``capacity``, whose inputs are engine
+    samples, defaults to the slower of the global and the ``engines`` interval.
     """
 
     host: HostSamplerConfig = HostSamplerConfig()

@@ -67,6 +67,8 @@ class AgentState:
         self._version = 0
         self._health: dict[str, Callable[[], Iterable[Sample]]] = {}
         self._listeners: list[Callable[[SamplerReport], None]] = []
+        # each report's samples by name, built on the first latest() after its publish
+        self._by_name: dict[str, tuple[SamplerReport, dict[str, list[Sample]]]] = {}
 
     def add_health(self, name: str, samples: Callable[[], Iterable[Sample]]) -> None:
         """Render ``samples()`` with the agent's own metrics (an exporter's health).
@@ -127,6 +129,7 @@ class AgentState:
         """Forget a sampler that was stopped (removed engine, reload)."""
         with self._lock:
             self._reports.pop(sampler, None)
+            self._by_name.pop(sampler, None)
             self._version += 1
 
     def count_reload(self, result: str) -> None:
@@ -154,10 +157,22 @@ class AgentState:
         out: dict[Labels, float] = {}
         for r in self.reports():
             if r.ok and r.batch is not None:
-                for s in r.batch.samples:
-                    if s.name == name:
-                        out.setdefault(s.labels, s.value)
+                for s in self._named(r).get(name, ()):
+                    out.setdefault(s.labels, s.value)
         return out
+
+    def _named(self, report: SamplerReport) -> dict[str, list[Sample]]:
+        # A derived stage asks for a few names on every tick; a batch changes once per
+        # publish: index it by name once instead of walking every sample per question.
+        got = self._by_name.get(report.sampler)
+        if got is not None and got[0] is report:
+            return got[1]
+        index: dict[str, list[Sample]] = {}
+        assert report.batch is not None
+        for s in report.batch.samples:
+            index.setdefault(s.name, []).append(s)
+        self._by_name[report.sampler] = (report, index)
+        return index
 
     def samples(self) -> Iterator[Sample]:
         """Yield the latest samples of every healthy sampler, then the agent's own metrics."""

@@ -433,3 +433,30 @@ def test_llamacpp_model_path_from_props_when_the_alias_is_a_bare_name(tmp_path, 
         out = collect(smp)
     assert get(out, "kvpressure_kv_bytes_per_token") == 3 * 2 * 2 * 32 * 2
     assert asked == ["http://127.0.0.1:8080/props"]  # read once, cached
+
+
+def test_state_latest_reads_each_samplers_newest_batch_first_sampler_wins() -> None:
+    """``AgentState.latest`` (indexed by name per batch) follows every publish and removal."""
+    state = AgentState(Timeline())
+    a, b = Batch(), Batch()
+    a.add("kvpressure_engine_requests_running", 1, engine="e")
+    a.add("kvpressure_engine_requests_running", 9, engine="e")  # same series: first wins
+    b.add("kvpressure_engine_requests_running", 2, engine="e")
+    b.add("kvpressure_engine_requests_running", 3, engine="f")
+    state.publish(SamplerReport("engine:b", 1.0, 0.01, True, "", b))
+    state.publish(SamplerReport("engine:a", 1.0, 0.01, True, "", a))
+    got = {
+        dict(k)["engine"]: v for k, v in state.latest("kvpressure_engine_requests_running").items()
+    }
+    assert got == {"e": 1.0, "f": 3.0}  # sampler order (a before b), then batch order
+    a2 = Batch()
+    a2.add("kvpressure_engine_requests_running", 5, engine="e")
+    state.publish(SamplerReport("engine:a", 2.0, 0.01, True, "", a2))
+    got = {
+        dict(k)["engine"]: v for k, v in state.latest("kvpressure_engine_requests_running").items()
+    }
+    assert got == {"e": 5.0, "f": 3.0}
+    state.publish(SamplerReport("engine:a", 3.0, 0.01, False, "timeout", None))
+    state.remove("engine:b")
+    assert state.latest("kvpressure_engine_requests_running") == {}
+    assert state.latest("kvpressure_engine_kv_usage_ratio") == {}

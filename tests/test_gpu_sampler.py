@@ -20,7 +20,7 @@ from agent.catalogue import CATALOGUE
 from agent.samplers import nvml_binding as nb
 from agent.samplers.accelerator import AcceleratorSampler, StallThresholds, stall_reason
 from agent.samplers.fake_nvml import MIB, FakeNvml, list_profiles, load_profile
-from agent.samplers.gpu import GpuSampler
+from agent.samplers.gpu import ENGINE_PIDS_MAX_AGE_S, GpuSampler
 from agent.samples import Batch, make_labels
 from agent.state import AgentState, SamplerReport
 from agent.timeline import Timeline
@@ -1084,3 +1084,29 @@ def test_engine_pod_info_joins_an_engine_to_its_pod(tmp_path):
     # without the engine join, or outside a pod, there is no info series
     s2, _f2, _c2 = make("h200", procfs_root=str(proc))
     assert not [x for x in collect(s2).samples if x.name == "kvpressure_engine_pod_info"]
+
+
+def test_engine_pids_are_asked_for_when_a_gpu_process_appears_or_the_answer_is_old():
+    """``engine_pids`` walks every process's fds: not on every slow cycle, only on change."""
+    calls = []
+
+    def engine_pids():
+        calls.append(1)
+        return {5100: "a"}
+
+    s, fake, clock = make("h100-sxm", fake_opts={"gpus": 1}, engine_pids=engine_pids)
+    fake.set(0, processes=[(5100, 1 << 30)])
+    for _ in range(10):  # ten slow cycles, the same GPU processes
+        collect(s)
+        clock.tick()
+    assert len(calls) == 1
+    fake.set(0, processes=[(5100, 1 << 30), (5200, 1 << 30)])  # an engine (re)started
+    collect(s)
+    clock.tick()
+    assert len(calls) == 2
+    fake.set(0, processes=[(5200, 1 << 30)])  # one left: nothing new to resolve
+    collect(s)
+    assert len(calls) == 2
+    clock.tick(ENGINE_PIDS_MAX_AGE_S)  # an old answer is asked for again
+    collect(s)
+    assert len(calls) == 3

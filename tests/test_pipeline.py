@@ -222,6 +222,24 @@ def test_every_stage_has_an_interval_switch():
     assert ctx.interval_s("host") == 2.0
 
 
+def test_capacity_runs_no_faster_than_the_engines_it_reads_unless_told():
+    def capacity_interval(text: str) -> float:
+        ctx = Context(
+            parse(text), AgentState(Timeline(16, 100)), RequestStream(), AttributionStore()
+        )
+        return pipeline.plan(ctx)["capacity"].plan.build().interval_s
+
+    assert capacity_interval("interval_s: 0.1\nsamplers: {engines: {interval_s: 1}}\n") == 1.0
+    assert capacity_interval("interval_s: 2\nsamplers: {engines: {interval_s: 1}}\n") == 2.0
+    assert capacity_interval("interval_s: 0.5\n") == 0.5  # engines at the global interval
+    assert (
+        capacity_interval(
+            "interval_s: 0.1\nsamplers: {engines: {interval_s: 1}, capacity: {interval_s: 0.2}}\n"
+        )
+        == 0.2
+    )
+
+
 def test_stage_owned_config_checks_still_reject_at_parse():
     with pytest.raises(ConfigError, match=r"f\.yaml: attribution\.thresholds: unknown rule"):
         parse("attribution: {thresholds: {nope: [1, 2]}}\n", "f.yaml")

@@ -576,6 +576,10 @@ def _check(config: Config) -> Iterator[tuple[str, str]]:
 def _plan(ctx: Context) -> list[Plan]:
     cfg = ctx.config
     interval = ctx.interval_s("capacity")
+    if not cfg.samplers.capacity.interval_s and cfg.samplers.engines.enabled:
+        # Every input but the request stream is an engine sample: computing faster than the
+        # engines are scraped repeats the same answer (and costs as much each time).
+        interval = max(interval, ctx.interval_s("engines"))
     spec = ("capacity", interval, cfg.capacity.model_dump_json())
     return [
         Plan(

@@ -158,6 +158,7 @@ __all__ = [
     "COHERENT_TOTAL_SHARE",
     "DISABLED_REPROBE_S",
     "DROP_REASONS",
+    "ENGINE_PIDS_MAX_AGE_S",
     "NSPID_RESCAN_S",
     "PID_MAX_LIMIT",
     "REFRESH_S",
@@ -180,6 +181,9 @@ SLOW_INTERVAL_S: Final = 1.0
 this often (seconds): the counters are cumulative, processes change slowly and NVML queues
 events, so reading them at 10 Hz would only add NVML cost. Between reads the last values are
 exported."""
+ENGINE_PIDS_MAX_AGE_S: Final = 30.0
+"""The engines' listening PIDs (``engine_pids``) are asked for again when a GPU process
+appears, and at least this often (seconds) otherwise."""
 
 NvmlState = Literal["uninit", "ok", "down", "disabled"]
 """The NVML library's state as the sampler sees it."""
@@ -265,6 +269,8 @@ class GpuSampler(_NvmlMixin, Sampler):
         self._slow_interval = max(interval_s, SLOW_INTERVAL_S)
         self._xid_at = 0.0
         self._pids_cache: dict[int, str] | None = None
+        self._pids_asked_for: frozenset[int] = frozenset()  # GPU PIDs when last asked
+        self._pids_asked_at = float("-inf")
         self._nspid: dict[int, int] = {}
         self._nspid_at = -math.inf
         self._host_total: tuple[float, float | None] = (-math.inf, None)
@@ -581,12 +587,27 @@ class GpuSampler(_NvmlMixin, Sampler):
         if self._engine_pids is not None and (
             self._pids_cache is None or any(r.slow for r in readings.values())
         ):
-            # the process lists change at most every SLOW_INTERVAL_S: ask for PIDs as rarely
-            try:
-                self._pids_cache = dict(self._engine_pids())
-            except Exception as exc:  # noqa: BLE001 - a broken provider must not stop sampling
-                self._log_once("engine_pids", logging.WARNING, "engine_pids() failed: %r", exc)
-                self._pids_cache = {}
+            # The process lists change at most every SLOW_INTERVAL_S. Asking for the engines'
+            # listening PIDs walks every process's fds (psutil.net_connections): ask only when
+            # a GPU process appeared (an engine (re)started) or the answer is old (an engine
+            # added by discovery or a reload whose process was already on a GPU).
+            gpu_pids = frozenset(
+                pid
+                for r in readings.values()
+                for lr in r.leaves
+                for pid, _used in lr.processes or ()
+            )
+            if (
+                self._pids_cache is None
+                or not gpu_pids <= self._pids_asked_for
+                or now - self._pids_asked_at >= ENGINE_PIDS_MAX_AGE_S
+            ):
+                self._pids_asked_for, self._pids_asked_at = gpu_pids, now
+                try:
+                    self._pids_cache = dict(self._engine_pids())
+                except Exception as exc:  # noqa: BLE001 - a broken provider must not stop sampling
+                    self._log_once("engine_pids", logging.WARNING, "engine_pids() failed: %r", exc)
+                    self._pids_cache = {}
         pids = self._pids_cache or {}
         if self._pod_names is not None and any(r.slow for r in readings.values()):
             # pod assignments change with the process lists: on the slow cadence too

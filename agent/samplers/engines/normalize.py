@@ -349,6 +349,7 @@ PER_PROCESS_LABELS: Final = frozenset({"pid"})
 """Labels that only say which process wrote a sample (``prometheus_client``'s multiprocess
 mode adds ``pid`` to gauges in ``all``/``liveall`` mode); series differing only by them are
 one fact, collapsed by :func:`collapse_per_process`."""
+_PER_PROCESS_ORDERED: Final = tuple(sorted(PER_PROCESS_LABELS))
 
 MERGE_DUPLICATE: Final = "duplicate"
 MERGE_PER_PROCESS: Final = "per_process"
@@ -445,8 +446,10 @@ class MetricIndex:
                 if latest.pop(key, None) is not None:
                     self.duplicates += 1  # a repeated series: the last copy wins
                 latest[key] = Series(s.name, labels, s.value, fam)
-                if not per_process and any(k in labels for k in PER_PROCESS_LABELS):
-                    per_process = True
+                if not per_process:
+                    for k in _PER_PROCESS_ORDERED:  # a key lookup per label: no generator
+                        if k in labels:
+                            per_process = True
         if not per_process:  # the common case: nothing to collapse
             for series in latest.values():
                 self._add(series)
