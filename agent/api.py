@@ -25,10 +25,10 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 from prometheus_client.registry import CollectorRegistry
 
-from agent import __version__
-from agent.attribution.store import AttributionStore
-from agent.state import AgentState, SamplerReport
-from exporters.prometheus import ExpositionCache
+from kvpressure.agent import __version__
+from kvpressure.agent.attribution.store import AttributionStore
+from kvpressure.agent.state import AgentState, SamplerReport
+from kvpressure.exporters.prometheus import ExpositionCache
 
 
 def sampler_state(r: SamplerReport) -> str:
@@ -163,7 +163,7 @@ def attribution_routes(
         known_engines: engine labels known beyond the store's (e.g. from
             ``kvpressure_engine_up``); called on the event loop.
     """
-    from agent.attribution.explain import parse_since
+    from kvpressure.agent.attribution.explain import parse_since
 
     async def attributions(request: web.Request) -> web.Response:
         q = request.query

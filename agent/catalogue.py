@@ -1818,7 +1818,7 @@ SampleName = Literal[
 ]
 """A sample's name: a catalogue metric, or a histogram's ``_bucket``/``_count``/``_sum``."""
 
-if __name__ == "__main__":  # python -m agent.catalogue README.md
+if __name__ == "__main__":  # python -m kvpressure.agent.catalogue README.md
     import sys
 
     print("updated" if update_readme(sys.argv[1]) else "unchanged")

@@ -1,7 +1,7 @@
 """The ``kvpressure`` command.
 
 Subcommands: ``run``, ``check-config``, ``status``, ``top``, ``default-config``,
-``metrics``, ``plan``, ``explain``, ``gpu record``.
+``metrics``, ``plan``, ``explain``, ``gpu record``, ``export``.
 
 Exit codes: 0 success; 1 invalid config, or no agent answering (``status``); 2 usage error.
 """
@@ -17,8 +17,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any, Final
 
-from agent import __version__, logs
-from agent.config import (
+from kvpressure.agent import __version__, logs
+from kvpressure.agent.config import (
     Config,
     ConfigError,
     default_text,
@@ -28,7 +28,7 @@ from agent.config import (
     with_overrides,
 )
 
-log = logging.getLogger("agent")
+log = logging.getLogger("kvpressure.agent")
 
 GIL_SWITCH_INTERVAL_S: Final = 0.001
 """``sys.setswitchinterval`` of ``kvpressure run``: how long a thread may keep the GIL while
@@ -59,8 +59,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         print(exc, file=sys.stderr)
         return 1
     logs.setup(cfg.log_level)
-    from agent.daemon import Daemon
-    from agent.listener import raise_fd_limit
+    from kvpressure.agent.daemon import Daemon
+    from kvpressure.agent.listener import raise_fd_limit
 
     soft, hard = raise_fd_limit()
     # Threads decoding OTLP exports or building API answers hold the GIL for up to the
@@ -93,7 +93,7 @@ def _cmd_check_config(args: argparse.Namespace) -> int:
     try:
         cfg = load(args.file)
         if cfg.web_config_file:
-            from agent.webconfig import load_web_config
+            from kvpressure.agent.webconfig import load_web_config
 
             load_web_config(cfg.web_config_file)
         if cfg.otlp_receiver.bearer_token_file:
@@ -120,8 +120,8 @@ def render_status(snap: dict[str, Any]) -> str:
         one row per sampler with its state (``up``, ``down``, ``unsupported``). Values the
         agent does not have are shown as ``-``.
     """
-    from agent import view
-    from agent.view import fmt_bytes, fmt_num, fmt_pct
+    from kvpressure.agent import view
+    from kvpressure.agent.view import fmt_bytes, fmt_num, fmt_pct
 
     sn = view.Snap(snap)
     uptime = snap.get("uptime_s")
@@ -178,8 +178,8 @@ def render_status(snap: dict[str, Any]) -> str:
 
 def _gpu_lines(sn: Any, samplers: list[dict[str, Any]]) -> list[str]:
     """The GPU section of ``status``: one row per GPU, then its processes indented."""
-    from agent import view
-    from agent.view import fmt_bytes, fmt_pct
+    from kvpressure.agent import view
+    from kvpressure.agent.view import fmt_bytes, fmt_pct
 
     rows = view.gpus(sn)
     if not rows:
@@ -229,7 +229,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 def _cmd_top(args: argparse.Namespace) -> int:
     """``kvpressure top``: exit 0 on ``q``; 1 with ``--once`` when no agent answers."""
-    from agent.top import run_top
+    from kvpressure.agent.top import run_top
 
     if args.interval <= 0:
         print("kvpressure top: --interval must be positive", file=sys.stderr)
@@ -243,7 +243,7 @@ def _cmd_default_config(_: argparse.Namespace) -> int:
 
 
 def _cmd_metrics(args: argparse.Namespace) -> int:
-    from agent.catalogue import markdown_table
+    from kvpressure.agent.catalogue import markdown_table
 
     print(markdown_table())
     return 0
@@ -254,8 +254,8 @@ def _cmd_gpu_record(args: argparse.Namespace) -> int:
 
     import yaml
 
-    from agent.samplers import nvml_binding as nb
-    from agent.samplers.fake_nvml.record import record
+    from kvpressure.agent.samplers import nvml_binding as nb
+    from kvpressure.agent.samplers.fake_nvml.record import record
 
     try:
         binding = nb.bind(args.binding)
@@ -280,8 +280,27 @@ def _cmd_gpu_record(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_export(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from kvpressure.agent.export import export
+
+    try:
+        done = export(args.what, Path(args.dir), force=args.force)
+    except (OSError, KeyError) as exc:
+        print(f"kvpressure export: {exc}", file=sys.stderr)
+        return 1
+    for path, action in done:
+        print(f"{action:9}  {path}")
+    if any(a == "kept" for _, a in done):
+        print(
+            "kvpressure export: files that differ were kept; --force replaces them", file=sys.stderr
+        )
+    return 0
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from agent.capacity.plan import run_plan
+    from kvpressure.agent.capacity.plan import run_plan
 
     return run_plan(args)
 
@@ -293,14 +312,14 @@ def _cmd_explain(args: argparse.Namespace) -> int:
     """
     import httpx
 
-    from agent.attribution.explain import parse_since, render
+    from kvpressure.agent.attribution.explain import parse_since, render
 
     try:
         since_s = parse_since(args.since)
     except ValueError as exc:
         print(f"kvpressure explain: --since: {exc}", file=sys.stderr)
         return 2
-    from agent.api import MAX_ATTRIBUTIONS_LIMIT
+    from kvpressure.agent.api import MAX_ATTRIBUTIONS_LIMIT
 
     limit = MAX_ATTRIBUTIONS_LIMIT if args.html else 200
     params = {"since": f"{since_s:g}", "limit": str(limit)}
@@ -342,7 +361,7 @@ def _write_html(args: argparse.Namespace, doc: dict[str, Any]) -> int:
     """Write ``explain --html FILE`` (the knee comes from the agent's snapshot); exit 0 or 1."""
     import httpx
 
-    from agent.attribution.report import render_html
+    from kvpressure.agent.attribution.report import render_html
 
     snap: dict[str, Any] | None = None
     try:
@@ -413,6 +432,20 @@ def build_parser() -> argparse.ArgumentParser:
     rec.add_argument("--binding", default="nvml", help="NVML binding to record (default nvml)")
     rec.add_argument("--seconds", type=float, default=1.0, help="rate measurement time")
     rec.set_defaults(func=_cmd_gpu_record)
+
+    from kvpressure.agent.export import BUNDLES
+
+    xp = sub.add_parser(
+        "export", help="write the shipped dashboards, rules, systemd unit or manifests to DIR"
+    )
+    xp.add_argument(
+        "what",
+        choices=sorted(BUNDLES),
+        help="; ".join(f"{k}: {b.what}" for k, b in sorted(BUNDLES.items())),
+    )
+    xp.add_argument("dir", help="folder to write into (created when missing)")
+    xp.add_argument("--force", action="store_true", help="replace files that differ")
+    xp.set_defaults(func=_cmd_export)
 
     # --- capacity: kvpressure plan ----------------------------------------------------
     pl = sub.add_parser(

@@ -144,7 +144,7 @@ class GpuConfig(_Model):
     @classmethod
     def _check_binding(cls, v: str) -> str:
         if v.startswith("fake:"):
-            from agent.samplers.fake_nvml import load_profile
+            from kvpressure.agent.samplers.fake_nvml import load_profile
 
             try:
                 load_profile(v.removeprefix("fake:"))
@@ -579,7 +579,7 @@ def _validate(data: Any, source: str) -> Config:
     except ValidationError as exc:
         lines = [f"{source}: {_loc(e['loc'])}: {_expected(e)}" for e in exc.errors()]
         raise ConfigError("\n".join(lines)) from None
-    from agent.pipeline import check_config  # the registry, not the stages, is imported
+    from kvpressure.agent.pipeline import check_config  # the registry, not the stages, is imported
 
     problems = check_config(cfg)
     if problems:
@@ -701,7 +701,7 @@ def with_overrides(cfg: Config, overrides: Mapping[str, Any], source: str = "<st
 
 def default_text() -> str:
     """Return the embedded default configuration (``agent/default.yaml``) as YAML text."""
-    return resources.files("agent").joinpath("default.yaml").read_text(encoding="utf-8")
+    return resources.files("kvpressure.agent").joinpath("default.yaml").read_text(encoding="utf-8")
 
 
 def load_default() -> Config:

@@ -24,25 +24,25 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from agent import logs, pipeline
-from agent.api import attribution_routes, make_app
-from agent.attribution.store import AttributionStore
-from agent.config import Config, ConfigError, load, read_token
-from agent.discovery import Discovery, Probe, engine_pids
-from agent.kube import EnginePods, names_from_process_rows
-from agent.listener import ConnectionCap, install_accept_error_handler, start_site
-from agent.pipeline import Sampler
-from agent.requests.otlp_receiver import OtlpReceiver
-from agent.requests.proxies import ProxySet
-from agent.requests.proxy import RequestProxy
-from agent.requests.record import RequestStream
-from agent.scheduler import Once, Runners, SamplerRunner
-from agent.sdnotify import Notifier
-from agent.state import AgentState
-from agent.timeline import Timeline
-from agent.webconfig import WebSecurity, load_web_config
-from exporters.otlp_slot import ExportSlot
-from exporters.prometheus import make_registry
+from kvpressure.agent import logs, pipeline
+from kvpressure.agent.api import attribution_routes, make_app
+from kvpressure.agent.attribution.store import AttributionStore
+from kvpressure.agent.config import Config, ConfigError, load, read_token
+from kvpressure.agent.discovery import Discovery, Probe, engine_pids
+from kvpressure.agent.kube import EnginePods, names_from_process_rows
+from kvpressure.agent.listener import ConnectionCap, install_accept_error_handler, start_site
+from kvpressure.agent.pipeline import Sampler
+from kvpressure.agent.requests.otlp_receiver import OtlpReceiver
+from kvpressure.agent.requests.proxies import ProxySet
+from kvpressure.agent.requests.proxy import RequestProxy
+from kvpressure.agent.requests.record import RequestStream
+from kvpressure.agent.scheduler import Once, Runners, SamplerRunner
+from kvpressure.agent.sdnotify import Notifier
+from kvpressure.agent.state import AgentState
+from kvpressure.agent.timeline import Timeline
+from kvpressure.agent.webconfig import WebSecurity, load_web_config
+from kvpressure.exporters.otlp_slot import ExportSlot
+from kvpressure.exporters.prometheus import make_registry
 
 __all__ = ["SHUTDOWN_GRACE_S", "Daemon", "SamplerRunner"]
 

@@ -9,7 +9,7 @@ from urllib.parse import urlsplit
 
 import psutil
 
-from agent.config import Config, EngineConfig
+from kvpressure.agent.config import Config, EngineConfig
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ class Discovery:
             return False
         probe = self.probe
         if probe is None:
-            from agent.samplers.engines import probe as default_probe
+            from kvpressure.agent.samplers.engines import probe as default_probe
 
             probe = default_probe
         known = {e.instance for e in cfg.engines} | {e.instance for e in self.found.values()}

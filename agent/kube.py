@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final, Literal
 
-from agent.samples import Labels
+from kvpressure.agent.samples import Labels
 
 Runtime = Literal["containerd", "cri-o", "docker"]
 

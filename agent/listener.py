@@ -37,7 +37,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestHandler
 
-from agent.logs import RateLimitedLog
+from kvpressure.agent.logs import RateLimitedLog
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 Example line::
 
-    ts=2026-11-30T16:40:01.123Z level=warning logger=agent.samplers.host \
+    ts=2026-11-30T16:40:01.123Z level=warning logger=kvpressure.agent.samplers.host \
         msg="PSI unsupported" hint="boot with psi=1"
 
 Extra fields are passed with ``extra={"kv": {...}}``.

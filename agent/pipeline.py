@@ -33,23 +33,23 @@ from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Final
 
-from agent.samples import Batch
+from kvpressure.agent.samples import Batch
 
 if TYPE_CHECKING:
-    from agent.attribution.sampler import SpanSink
-    from agent.attribution.store import AttributionStore
-    from agent.config import Config, EngineConfig
-    from agent.requests.record import RequestStream
-    from agent.state import AgentState
+    from kvpressure.agent.attribution.sampler import SpanSink
+    from kvpressure.agent.attribution.store import AttributionStore
+    from kvpressure.agent.config import Config, EngineConfig
+    from kvpressure.agent.requests.record import RequestStream
+    from kvpressure.agent.state import AgentState
 
 MODULES: Final = (
-    "agent.samplers.host",
-    "agent.samplers.gpu",
-    "agent.samplers.engines",
-    "agent.samplers.accelerator",
-    "agent.requests.metrics",
-    "agent.capacity.live",
-    "agent.attribution",
+    "kvpressure.agent.samplers.host",
+    "kvpressure.agent.samplers.gpu",
+    "kvpressure.agent.samplers.engines",
+    "kvpressure.agent.samplers.accelerator",
+    "kvpressure.agent.requests.metrics",
+    "kvpressure.agent.capacity.live",
+    "kvpressure.agent.attribution",
 )
 """The stage modules, each registering itself (sources first, then derived stages)."""
 

@@ -20,7 +20,7 @@ from typing import Any, Final
 
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
-from agent.logs import RateLimitedLog
+from kvpressure.agent.logs import RateLimitedLog
 
 log = logging.getLogger(__name__)
 

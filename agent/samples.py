@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
-    from agent.catalogue import SampleName
+    from kvpressure.agent.catalogue import SampleName
 
 Labels = tuple[tuple[str, str], ...]
 """Label pairs sorted by label name, e.g. ``(("engine", "vllm"), ("instance", "h:8000"))``."""

@@ -17,9 +17,9 @@ import threading
 import time
 from collections.abc import Hashable, Mapping
 
-from agent.pipeline import Planned, Sampler, Stage
-from agent.samples import Batch
-from agent.state import AgentState, SamplerReport
+from kvpressure.agent.pipeline import Planned, Sampler, Stage
+from kvpressure.agent.samples import Batch
+from kvpressure.agent.state import AgentState, SamplerReport
 
 log = logging.getLogger(__name__)
 

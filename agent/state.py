@@ -16,9 +16,9 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
-from agent import __version__
-from agent.samples import Batch, Labels, Sample, SourceStatus, make_labels
-from agent.timeline import Timeline
+from kvpressure.agent import __version__
+from kvpressure.agent.samples import Batch, Labels, Sample, SourceStatus, make_labels
+from kvpressure.agent.timeline import Timeline
 
 log = logging.getLogger(__name__)
 

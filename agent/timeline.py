@@ -26,7 +26,7 @@ from array import array
 from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Mapping
 
-from agent.samples import Labels, Sample
+from kvpressure.agent.samples import Labels, Sample
 
 SeriesKey = tuple[str, Labels]
 """``(metric name, sorted label pairs)``."""

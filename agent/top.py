@@ -34,9 +34,9 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from agent import view
-from agent.attribution.explain import fmt_seconds
-from agent.view import STALL_REASONS, fmt_bytes, fmt_num, fmt_pct
+from kvpressure.agent import view
+from kvpressure.agent.attribution.explain import fmt_seconds
+from kvpressure.agent.view import STALL_REASONS, fmt_bytes, fmt_num, fmt_pct
 
 SLOW_WINDOW_S = 60.0
 """How far back the SLOW REQUESTS panel and the request-based latency fallback look."""

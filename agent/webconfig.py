@@ -42,7 +42,7 @@ import yaml
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from agent.config import ConfigError, read_text
+from kvpressure.agent.config import ConfigError, read_text
 
 _CACHE_MAX: Final = 256
 _VERSIONS = {

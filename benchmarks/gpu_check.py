@@ -41,9 +41,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from agent.catalogue import CATALOGUE
-from agent.samplers.gpu import GpuSampler
-from agent.samples import Batch
+from kvpressure.agent.catalogue import CATALOGUE
+from kvpressure.agent.samplers.gpu import GpuSampler
+from kvpressure.agent.samples import Batch
 
 GIB = 1 << 30
 MIB = 1 << 20

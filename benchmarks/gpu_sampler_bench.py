@@ -25,11 +25,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from agent.samplers import nvml_binding as nb
-from agent.samplers.accelerator import AcceleratorSampler
-from agent.samplers.fake_nvml import FakeNvml
-from agent.samplers.gpu import GpuSampler
-from agent.samples import Batch, Labels, make_labels
+from kvpressure.agent.samplers import nvml_binding as nb
+from kvpressure.agent.samplers.accelerator import AcceleratorSampler
+from kvpressure.agent.samplers.fake_nvml import FakeNvml
+from kvpressure.agent.samplers.gpu import GpuSampler
+from kvpressure.agent.samples import Batch, Labels, make_labels
 
 
 class TimedLib:

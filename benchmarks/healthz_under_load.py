@@ -1,6 +1,6 @@
 """``/healthz`` latency while clients load the agent (issue 18, point 6).
 
-One real agent (``python -m agent.cli run``, interval 0.1 s, host sampler on, attribution
+One real agent (``python -m kvpressure.agent.cli run``, interval 0.1 s, host sampler on, attribution
 on) on 127.0.0.1. First about 2,000 slow vLLM ``llm_request`` spans are posted to its OTLP
 receiver so the attribution store holds at least 1,000 attributions. Then, for each phase,
 a probe client GETs ``/healthz`` every 20 ms for ``--seconds`` and the script prints the
@@ -167,7 +167,7 @@ def main() -> int:
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = Path(tmp) / "agent.yaml"
+        cfg = Path(tmp) / "kvpressure.agent.yaml"
         cfg.write_text(
             yaml.safe_dump(
                 {
@@ -180,10 +180,10 @@ def main() -> int:
             )
         )
         proc = subprocess.Popen(
-            [sys.executable, "-m", "agent.cli", "run", "--config", str(cfg)],
+            [sys.executable, "-m", "kvpressure.agent.cli", "run", "--config", str(cfg)],
             cwd=REPO,
             stdout=subprocess.DEVNULL,
-            stderr=(Path(tmp) / "agent.err").open("wb"),
+            stderr=(Path(tmp) / "kvpressure.agent.err").open("wb"),
         )
         try:
             deadline = time.monotonic() + 30

@@ -193,8 +193,8 @@ def run(
 def fake_nvml_cost() -> float:
     """Milliseconds of CPU per cycle the fake NVML itself spends answering 8 GPUs' queries."""
     sys.path.insert(0, str(REPO))
-    from agent.samplers.gpu import GpuSampler
-    from agent.samples import Batch
+    from kvpressure.agent.samplers.gpu import GpuSampler
+    from kvpressure.agent.samples import Batch
 
     sampler = GpuSampler(binding="fake:h100-sxm", interval_s=0.1)
     for _ in range(5):

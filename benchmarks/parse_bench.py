@@ -35,9 +35,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from agent.samplers.engines import ENGINE_TYPES  # noqa: E402
-from agent.samplers.engines.exposition import parse_exposition  # noqa: E402
-from agent.samplers.engines.normalize import Normalizer  # noqa: E402
+from kvpressure.agent.samplers.engines import ENGINE_TYPES  # noqa: E402
+from kvpressure.agent.samplers.engines.exposition import parse_exposition  # noqa: E402
+from kvpressure.agent.samplers.engines.normalize import Normalizer  # noqa: E402
 
 CAPTURE = ROOT / "tests" / "fixtures" / "engines" / "vllm" / "0.32.0-cpu-kv-metrics-load.txt"
 TARGET_MS_PER_MB = 50.0

@@ -159,7 +159,7 @@ def start_agent(workdir: Path, llama_url: str) -> tuple[subprocess.Popen[bytes],
     }
     path = workdir / "kvpressure.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    stderr = (workdir / "agent.stderr").open("wb")
+    stderr = (workdir / "kvpressure.agent.stderr").open("wb")
     proc = subprocess.Popen(
         [*es.agent_argv(path)],
         stdin=subprocess.DEVNULL,

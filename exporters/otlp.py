@@ -74,11 +74,11 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import Link, NonRecordingSpan, SpanContext, SpanKind, TraceFlags
 from opentelemetry.util.types import AttributeValue
 
-from agent import __version__
-from agent.attribution.model import Attribution
-from agent.catalogue import CATALOGUE
-from agent.samples import Batch, Sample
-from agent.state import AgentState
+from kvpressure.agent import __version__
+from kvpressure.agent.attribution.model import Attribution
+from kvpressure.agent.catalogue import CATALOGUE
+from kvpressure.agent.samples import Batch, Sample
+from kvpressure.agent.state import AgentState
 
 log = logging.getLogger(__name__)
 

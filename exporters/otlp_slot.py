@@ -9,13 +9,13 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from agent.state import AgentState
+from kvpressure.agent.state import AgentState
 
 if TYPE_CHECKING:
-    from agent.config import OtlpExportConfig
-    from exporters.otlp import OtlpExport
+    from kvpressure.agent.config import OtlpExportConfig
+    from kvpressure.exporters.otlp import OtlpExport
 
-log = logging.getLogger("exporters.otlp")
+log = logging.getLogger("kvpressure.exporters.otlp")
 
 
 class ExportSlot:
@@ -44,7 +44,9 @@ class ExportSlot:
             old.shutdown(0.5)
         if not section.endpoint:
             return
-        from exporters.otlp import OtlpExport  # OpenTelemetry is loaded only when exporting
+        from kvpressure.exporters.otlp import (
+            OtlpExport,
+        )  # OpenTelemetry is loaded only when exporting
 
         s = section
         self.export = OtlpExport(

@@ -25,9 +25,9 @@ from prometheus_client.openmetrics.exposition import CONTENT_TYPE_LATEST as OM_C
 from prometheus_client.registry import Collector, CollectorRegistry
 from prometheus_client.utils import floatToGoString as _float_to_go
 
-from agent.catalogue import CATALOGUE
-from agent.samples import Sample
-from agent.state import AgentState
+from kvpressure.agent.catalogue import CATALOGUE
+from kvpressure.agent.samples import Sample
+from kvpressure.agent.state import AgentState
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from agent.daemon import Daemon
+from kvpressure.agent.daemon import Daemon
 
 _reported: dict[str, str] = {}  # failure key -> node id of the test that reported it
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from agent.attribution.detector import SlowDetector, quantile
-from agent.requests.record import RequestRecord
+from kvpressure.agent.attribution.detector import SlowDetector, quantile
+from kvpressure.agent.requests.record import RequestRecord
 
 
 def rec(ttft=None, e2e=None, engine="e", outcome="ok"):

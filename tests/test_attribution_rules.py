@@ -11,12 +11,12 @@ from collections.abc import Callable
 
 import pytest
 
-from agent.attribution.engine import primary_cause
-from agent.attribution.model import ENGINE_METRICS
-from agent.attribution.rules import RULES, RULES_BY_NAME, Params, Scope, evaluate, ramp
-from agent.attribution.signals import Series, Signals
-from agent.requests.record import RequestRecord
-from agent.samples import make_labels
+from kvpressure.agent.attribution.engine import primary_cause
+from kvpressure.agent.attribution.model import ENGINE_METRICS
+from kvpressure.agent.attribution.rules import RULES, RULES_BY_NAME, Params, Scope, evaluate, ramp
+from kvpressure.agent.attribution.signals import Series, Signals
+from kvpressure.agent.requests.record import RequestRecord
+from kvpressure.agent.samples import make_labels
 
 T = 1_800_000_000.0
 ENG = "llamacpp"

@@ -16,7 +16,7 @@ from collections.abc import Iterator, Mapping
 import pytest
 from test_attribution_rules import CASES, ENG, Synth, T, ev, scope
 
-from agent.attribution.rules import (
+from kvpressure.agent.attribution.rules import (
     LONG_LOOKBACK,
     METRICS_READ,
     RULES,
@@ -26,10 +26,10 @@ from agent.attribution.rules import (
     evaluate,
     reads,
 )
-from agent.attribution.signals import Series, Signals
-from agent.catalogue import CATALOGUE
-from agent.samples import Sample
-from agent.timeline import Timeline
+from kvpressure.agent.attribution.signals import Series, Signals
+from kvpressure.agent.catalogue import CATALOGUE
+from kvpressure.agent.samples import Sample
+from kvpressure.agent.timeline import Timeline
 
 
 def _timeline(s: Synth) -> Timeline:

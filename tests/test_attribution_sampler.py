@@ -8,15 +8,15 @@ from collections.abc import Callable
 
 import pytest
 
-from agent.attribution.detector import SlowDetector
-from agent.attribution.engine import Attributor
-from agent.attribution.model import Attribution
-from agent.attribution.rules import Params
-from agent.attribution.sampler import AttributionSampler
-from agent.attribution.store import AttributionStore
-from agent.requests.record import RequestRecord, RequestStream
-from agent.samples import Batch, Sample, make_labels
-from agent.timeline import Timeline
+from kvpressure.agent.attribution.detector import SlowDetector
+from kvpressure.agent.attribution.engine import Attributor
+from kvpressure.agent.attribution.model import Attribution
+from kvpressure.agent.attribution.rules import Params
+from kvpressure.agent.attribution.sampler import AttributionSampler
+from kvpressure.agent.attribution.store import AttributionStore
+from kvpressure.agent.requests.record import RequestRecord, RequestStream
+from kvpressure.agent.samples import Batch, Sample, make_labels
+from kvpressure.agent.timeline import Timeline
 
 T = 1_800_000_000.0  # a multiple of the 10 s window
 ENG = "llamacpp"

@@ -14,16 +14,16 @@ from __future__ import annotations
 
 import httpx
 
-from agent.attribution.detector import SlowDetector
-from agent.attribution.engine import Attributor, primary_cause
-from agent.attribution.rules import Params, Scope, evaluate
-from agent.attribution.sampler import AttributionSampler
-from agent.attribution.signals import Signals
-from agent.attribution.store import AttributionStore
-from agent.requests.record import RequestRecord, RequestStream
-from agent.samplers.engines.base import EngineSampler
-from agent.samples import Batch, Sample, make_labels
-from agent.timeline import Timeline
+from kvpressure.agent.attribution.detector import SlowDetector
+from kvpressure.agent.attribution.engine import Attributor, primary_cause
+from kvpressure.agent.attribution.rules import Params, Scope, evaluate
+from kvpressure.agent.attribution.sampler import AttributionSampler
+from kvpressure.agent.attribution.signals import Signals
+from kvpressure.agent.attribution.store import AttributionStore
+from kvpressure.agent.requests.record import RequestRecord, RequestStream
+from kvpressure.agent.samplers.engines.base import EngineSampler
+from kvpressure.agent.samples import Batch, Sample, make_labels
+from kvpressure.agent.timeline import Timeline
 
 T = 1_800_000_000.0
 ENG = "vllm"
@@ -99,7 +99,7 @@ def test_a_long_prompt_at_the_usual_per_token_rate_is_not_slow():
 
 
 def test_the_fit_learns_the_per_token_cost_from_a_mixed_workload():
-    from agent.attribution.detector import CostModel, theil_sen
+    from kvpressure.agent.attribution.detector import CostModel, theil_sen
 
     pts = [(100.0 + (i % 7), 0.05 + 0.0005 * (i % 7)) for i in range(54)]
     pts += [(1650.0 + i, 0.05 + 0.0005 * (1550 + i)) for i in range(6)]
@@ -151,7 +151,7 @@ def test_queueing_at_the_slot_cap_with_kv_headroom_is_concurrency_not_memory():
     assert scores["memory"] == 0.0
     cap = next(x for x in evidence if x.signal == "queue_at_cap")
     assert cap.labels == {"cap": "4"}
-    from agent.attribution.model import REMEDIES
+    from kvpressure.agent.attribution.model import REMEDIES
 
     assert "--max-num-seqs" in REMEDIES["concurrency"]
 
@@ -211,7 +211,7 @@ def test_stale_engine_statistics_are_never_evidence():
     s.collect(Batch())
     (a,) = store.attributions()
     assert a.cause != "memory" and a.scores["memory"] == 0.0
-    from agent.attribution.model import ENGINE_METRICS_STALE
+    from kvpressure.agent.attribution.model import ENGINE_METRICS_STALE
 
     assert ENGINE_METRICS_STALE in a.unassessed
     assert not any(e.metric.startswith("kvpressure_engine_") for e in a.evidence)
@@ -232,7 +232,7 @@ def test_fresh_statistics_still_count():
 
 
 def test_stale_tracker():
-    from agent.samplers.engines.staleness import StaleTracker
+    from kvpressure.agent.samplers.engines.staleness import StaleTracker
 
     t = StaleTracker(stale_after_s=30.0)
 
@@ -257,7 +257,7 @@ def test_stale_tracker():
 def test_stale_tracker_counts_moving_work_gauges_as_progress():
     """llama-server adds generated tokens to its counter when a request ends: a long decode
     freezes the counter while its KV usage grows every token; that is work, not staleness."""
-    from agent.samplers.engines.staleness import StaleTracker
+    from kvpressure.agent.samplers.engines.staleness import StaleTracker
 
     t = StaleTracker(stale_after_s=30.0)
 
@@ -292,7 +292,7 @@ vllm:prompt_tokens_total{model_name="m"} 9000
 
 def test_engine_sampler_marks_frozen_statistics_stale(monkeypatch):
     now = {"t": 1000.0}
-    monkeypatch.setattr("agent.samplers.engines.base.time.monotonic", lambda: now["t"])
+    monkeypatch.setattr("kvpressure.agent.samplers.engines.base.time.monotonic", lambda: now["t"])
     transport = httpx.MockTransport(
         lambda req: httpx.Response(200, text=VLLM_FROZEN,
                                    headers={"content-type": "text/plain; version=0.0.4"})
@@ -317,8 +317,8 @@ def test_engine_sampler_marks_frozen_statistics_stale(monkeypatch):
 
 
 def test_explain_tells_what_to_change_for_every_cause_that_scored():
-    from agent.attribution.explain import render
-    from agent.attribution.model import REMEDIES, Attribution
+    from kvpressure.agent.attribution.explain import render
+    from kvpressure.agent.attribution.model import REMEDIES, Attribution
 
     store = AttributionStore()
     scores = {"memory": 0.0, "concurrency": 0.8, "compute": 0.45, "storage": 0.1}

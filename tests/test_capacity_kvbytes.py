@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.capacity import kvbytes as kb
-from agent.capacity.engine_facts import from_llamacpp, from_vllm_metrics
+from kvpressure.agent.capacity import kvbytes as kb
+from kvpressure.agent.capacity.engine_facts import from_llamacpp, from_vllm_metrics
 
 FIX = Path(__file__).parent / "fixtures" / "capacity"
 HF = FIX / "hf"
@@ -265,7 +265,7 @@ def test_vllm_cache_config_info_capture():
 
 
 def test_vllm_bytes_per_token_when_memory_is_reported():
-    from agent.capacity.engine_facts import from_vllm_cache_config
+    from kvpressure.agent.capacity.engine_facts import from_vllm_cache_config
 
     e = from_vllm_cache_config(
         {"num_gpu_blocks": "1000", "block_size": "16", "kv_cache_memory_bytes": "2097152000"}

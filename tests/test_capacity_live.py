@@ -8,14 +8,14 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent.capacity import knee
-from agent.capacity.live import CapacitySampler, ModelSource, saturation_concurrency
-from agent.catalogue import CATALOGUE
-from agent.requests.record import RequestRecord, RequestStream
-from agent.samples import Batch
-from agent.state import AgentState, SamplerReport
-from agent.timeline import Timeline
-from exporters.prometheus import families
+from kvpressure.agent.capacity import knee
+from kvpressure.agent.capacity.live import CapacitySampler, ModelSource, saturation_concurrency
+from kvpressure.agent.catalogue import CATALOGUE
+from kvpressure.agent.requests.record import RequestRecord, RequestStream
+from kvpressure.agent.samples import Batch
+from kvpressure.agent.state import AgentState, SamplerReport
+from kvpressure.agent.timeline import Timeline
+from kvpressure.exporters.prometheus import families
 
 HF = Path(__file__).parent / "fixtures" / "capacity" / "hf"
 LAB = {"engine": "llamacpp", "instance": "127.0.0.1:8080", "model": "gemma"}
@@ -333,7 +333,7 @@ ENG = Path(__file__).parent / "fixtures" / "engines"
 def _engine_sampler(name: str, kind: str, files: dict[str, Path]):
     import httpx
 
-    from agent.samplers.engines import make_engine_sampler
+    from kvpressure.agent.samplers.engines import make_engine_sampler
 
     def handler(request: httpx.Request) -> httpx.Response:
         f = files.get(request.url.path)
@@ -391,8 +391,8 @@ def test_llamacpp_capture_saturates_at_its_slots():
 
 
 def test_capacity_config_section_and_daemon_wiring():
-    from agent.config import ConfigError, parse
-    from agent.daemon import Daemon
+    from kvpressure.agent.config import ConfigError, parse
+    from kvpressure.agent.daemon import Daemon
 
     cfg = parse(
         "capacity: {window_s: 30s, engines: {vllm: {model: /m/config.json, kv_dtype: FP8}}}\n"

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from agent.capacity import plan as pl
-from agent.capacity.kvbytes import flat_shape, shape_from_hf_config
-from agent.cli import main
+from kvpressure.agent.capacity import plan as pl
+from kvpressure.agent.capacity.kvbytes import flat_shape, shape_from_hf_config
+from kvpressure.agent.cli import main
 
 HF = Path(__file__).parent / "fixtures" / "capacity" / "hf"
 GIB = 1024**3

@@ -1,7 +1,7 @@
 import re
 from pathlib import Path
 
-from agent.catalogue import CATALOGUE, markdown_table
+from kvpressure.agent.catalogue import CATALOGUE, markdown_table
 
 ROOT = Path(__file__).resolve().parents[1]
 NAME = re.compile(r"^kvpressure_[a-z0-9_]+$")

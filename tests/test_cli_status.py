@@ -2,7 +2,7 @@ import json
 import subprocess
 import sys
 
-from agent.cli import render_status
+from kvpressure.agent.cli import render_status
 
 
 def _snap():
@@ -68,7 +68,7 @@ def test_status_exits_1_when_no_agent_answers():
         [
             sys.executable,
             "-m",
-            "agent.cli",
+            "kvpressure.agent.cli",
             "status",
             "--url",
             "http://127.0.0.1:9",
@@ -89,7 +89,7 @@ def test_status_exits_1_when_no_agent_answers():
 def _closed_reader(*args: str) -> subprocess.CompletedProcess[str]:
     """Run ``kvpressure ARGS`` with its stdout pipe closed before it writes, as ``| head``."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "agent.cli", *args],
+        [sys.executable, "-m", "kvpressure.agent.cli", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -203,10 +203,10 @@ def test_status_gpu_sampler_without_nvml_reads_unsupported():
 
 
 def test_snapshot_reports_a_sampler_without_device_as_unsupported():
-    from agent.api import snapshot
-    from agent.samples import Batch
-    from agent.state import AgentState, SamplerReport
-    from agent.timeline import Timeline
+    from kvpressure.agent.api import snapshot
+    from kvpressure.agent.samples import Batch
+    from kvpressure.agent.state import AgentState, SamplerReport
+    from kvpressure.agent.timeline import Timeline
 
     state = AgentState(Timeline())
     none = Batch()
@@ -228,7 +228,7 @@ def test_snapshot_reports_a_sampler_without_device_as_unsupported():
 def test_a_reader_that_leaves_early_gets_no_traceback():
     """`kvpressure metrics | head -1`: the closed pipe ends the command quietly."""
     p = subprocess.Popen(
-        [sys.executable, "-m", "agent.cli", "metrics"],
+        [sys.executable, "-m", "kvpressure.agent.cli", "metrics"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         bufsize=0,

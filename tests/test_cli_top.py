@@ -4,8 +4,8 @@ import sys
 
 from rich.console import Console
 
-from agent import view
-from agent.top import Frame, StallRates, render_frame
+from kvpressure.agent import view
+from kvpressure.agent.top import Frame, StallRates, render_frame
 
 
 def _text(renderable) -> str:
@@ -78,7 +78,7 @@ def test_frame_without_agent_says_so():
 
 def test_top_once_exits_1_without_agent():
     r = subprocess.run(
-        [sys.executable, "-m", "agent.cli", "top", "--once", "--url", "http://127.0.0.1:9",
+        [sys.executable, "-m", "kvpressure.agent.cli", "top", "--once", "--url", "http://127.0.0.1:9",
          "--interval", "0.1", "--timeout", "1"],
         capture_output=True, text=True, check=False, timeout=30,
     )  # fmt: skip

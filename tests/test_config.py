@@ -3,7 +3,7 @@ import sys
 
 import pytest
 
-from agent import config as c
+from kvpressure.agent import config as c
 
 
 def test_embedded_default_is_valid_and_matches_model_defaults():
@@ -70,7 +70,10 @@ def test_unreadable_file(tmp_path):
 
 def _cli(*args):
     return subprocess.run(
-        [sys.executable, "-m", "agent.cli", *args], capture_output=True, text=True, check=False
+        [sys.executable, "-m", "kvpressure.agent.cli", *args],
+        capture_output=True,
+        text=True,
+        check=False,
     )
 
 
@@ -139,7 +142,7 @@ def test_a_deprecation_warning_at_start_is_a_logfmt_line(tmp_path):
         f"listen: 127.0.0.1:{port}\ndiscovery: {{enabled: false}}\nattribution: {{enabled: true}}\n"
     )
     proc = subprocess.Popen(
-        [sys.executable, "-m", "agent.cli", "run", "--config", str(cfg)],
+        [sys.executable, "-m", "kvpressure.agent.cli", "run", "--config", str(cfg)],
         stderr=subprocess.PIPE,
         text=True,
     )

@@ -11,12 +11,12 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent.config import parse
-from agent.daemon import Daemon, SamplerRunner
-from agent.samplers.base import Sampler
-from agent.samples import Batch
-from agent.state import AgentState
-from agent.timeline import Timeline
+from kvpressure.agent.config import parse
+from kvpressure.agent.daemon import Daemon, SamplerRunner
+from kvpressure.agent.samplers.base import Sampler
+from kvpressure.agent.samples import Batch
+from kvpressure.agent.state import AgentState
+from kvpressure.agent.timeline import Timeline
 
 QUIET = (
     "samplers: {host: {enabled: false}, engines: {enabled: false}}\ndiscovery: {enabled: false}\n"
@@ -157,7 +157,7 @@ def test_signal_stops_the_process_within_two_seconds(tmp_path, sig):
     cfg = tmp_path / "k.yaml"
     cfg.write_text(f"listen: '127.0.0.1:{port}'\ndiscovery: {{enabled: false}}\n")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "agent.cli", "run", "--config", str(cfg)],
+        [sys.executable, "-m", "kvpressure.agent.cli", "run", "--config", str(cfg)],
         stderr=subprocess.PIPE,
         text=True,
     )
@@ -200,7 +200,7 @@ def test_systemd_notify_ready_and_watchdog(tmp_path):
     cfg.write_text(f"listen: '127.0.0.1:{port}'\n{QUIET}")
     env = dict(os.environ, NOTIFY_SOCKET=sock_path, WATCHDOG_USEC="400000")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "agent.cli", "run", "--config", str(cfg)],
+        [sys.executable, "-m", "kvpressure.agent.cli", "run", "--config", str(cfg)],
         env=env,
         stderr=subprocess.DEVNULL,
     )
@@ -538,7 +538,7 @@ def test_reload_of_an_unreadable_file_is_a_counted_invalid_reload(tmp_path, capl
     p = tmp_path / "k.yaml"
     p.write_text(f"listen: '127.0.0.1:0'\n{QUIET}log_level: info\n")
     d = Daemon(parse(p.read_text(), str(p)), p)
-    from agent.sdnotify import Notifier
+    from kvpressure.agent.sdnotify import Notifier
 
     d.notifier = Notifier({"NOTIFY_SOCKET": sock_path})
     loop, t = _run_daemon(d)
@@ -608,7 +608,7 @@ def test_command_line_listen_is_kept_across_sighup(tmp_path):
     cfg.write_text(f"listen: '127.0.0.1:{file_port}'\n{QUIET}")
     proc = subprocess.Popen(
         [
-            *(sys.executable, "-m", "agent.cli", "run", "--config", str(cfg)),
+            *(sys.executable, "-m", "kvpressure.agent.cli", "run", "--config", str(cfg)),
             *("--listen", f"127.0.0.1:{cli_port}", "--log-level", "warning"),
         ],
         stderr=subprocess.PIPE,
@@ -652,7 +652,7 @@ def test_check_config_prints_one_line_for_an_unreadable_file(tmp_path, kind):
     _make_bad(kind, p)
     try:
         proc = subprocess.run(
-            [sys.executable, "-m", "agent.cli", "check-config", str(p)],
+            [sys.executable, "-m", "kvpressure.agent.cli", "check-config", str(p)],
             capture_output=True,
             text=True,
             timeout=20,

@@ -2,7 +2,7 @@
 
 Regenerate after changing ``dashboards/build.py``::
 
-    .venv/bin/python -m dashboards.build
+    .venv/bin/python -m kvpressure.dashboards.build
 
 Queries are checked against the metric catalogue in ``tests/test_rules.py``.
 """
@@ -18,11 +18,11 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from dashboards import build  # noqa: E402
+from kvpressure.dashboards import build  # noqa: E402
 
 FILES = sorted((ROOT / "dashboards").glob("*.json"))
 DASHBOARDS = {p.name: json.loads(p.read_text(encoding="utf-8")) for p in FILES}
-REGENERATE = "stale: run `.venv/bin/python -m dashboards.build` and commit the result"
+REGENERATE = "stale: run `.venv/bin/python -m kvpressure.dashboards.build` and commit the result"
 UNITS = {"short", "bytes", "percentunit", "s", "ops", "reqps", "Bps", "watt", "celsius"}
 
 
@@ -56,7 +56,7 @@ def test_build_check_mode(tmp_path, capsys):
 
 def test_module_runs_as_documented():
     res = subprocess.run(
-        [sys.executable, "-m", "dashboards.build", "--check"],
+        [sys.executable, "-m", "kvpressure.dashboards.build", "--check"],
         cwd=ROOT,
         check=False,
         capture_output=True,

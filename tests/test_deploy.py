@@ -25,7 +25,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from agent.config import parse
+from kvpressure.agent.config import parse
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -76,7 +76,7 @@ def one(key: str) -> str:
 
 def test_default_config_passes_check_config():
     res = subprocess.run(
-        [sys.executable, "-m", "agent.cli", "check-config", str(CONFIG)],
+        [sys.executable, "-m", "kvpressure.agent.cli", "check-config", str(CONFIG)],
         check=False,
         capture_output=True,
         text=True,
@@ -367,7 +367,7 @@ def test_configmap_config_passes_check_config_and_matches_ports(tmp_path):
     path = tmp_path / "kvpressure.yaml"
     path.write_text(text, encoding="utf-8")
     res = subprocess.run(
-        [sys.executable, "-m", "agent.cli", "check-config", str(path)],
+        [sys.executable, "-m", "kvpressure.agent.cli", "check-config", str(path)],
         check=False,
         capture_output=True,
         text=True,
@@ -434,7 +434,7 @@ DURATION = re.compile(
 
 
 def test_podmonitor_structure():
-    from agent.catalogue import CATALOGUE
+    from kvpressure.agent.catalogue import CATALOGUE
 
     pm = OBJECTS["PodMonitor/kvpressure"]
     assert pm["apiVersion"] == "monitoring.coreos.com/v1"
@@ -571,7 +571,7 @@ def test_readme_secret_recipe_serves_tls_and_basic_auth(tmp_path: Path):
         for a in c["args"]
     ]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "agent.cli", *args],
+        [sys.executable, "-m", "kvpressure.agent.cli", *args],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,

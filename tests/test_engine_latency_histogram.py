@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent.histograms import (
+from kvpressure.agent.histograms import (
     GENAI_REQUEST_DURATION_BOUNDS_S,
     GENAI_TPOT_BOUNDS_S,
     GENAI_TTFT_BOUNDS_S,
@@ -27,13 +27,17 @@ from agent.histograms import (
     HistogramSnapshot,
     rebucket,
 )
-from agent.samplers.engines import ENGINE_TYPES
-from agent.samplers.engines.exposition import parse_exposition
-from agent.samplers.engines.normalize import ENGINE_LATENCY_HISTOGRAM, PHASE_BUCKETS, Normalizer
-from agent.samples import Batch, Sample
-from agent.state import AgentState, SamplerReport
-from agent.timeline import Timeline
-from exporters.prometheus import make_registry, render
+from kvpressure.agent.samplers.engines import ENGINE_TYPES
+from kvpressure.agent.samplers.engines.exposition import parse_exposition
+from kvpressure.agent.samplers.engines.normalize import (
+    ENGINE_LATENCY_HISTOGRAM,
+    PHASE_BUCKETS,
+    Normalizer,
+)
+from kvpressure.agent.samples import Batch, Sample
+from kvpressure.agent.state import AgentState, SamplerReport
+from kvpressure.agent.timeline import Timeline
+from kvpressure.exporters.prometheus import make_registry, render
 
 INF = math.inf
 H = ENGINE_LATENCY_HISTOGRAM

@@ -19,12 +19,12 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent.catalogue import POD_LABELS, metric_of_sample
-from agent.config import parse
-from agent.daemon import Daemon
-from agent.kube import EnginePods, names_from_process_rows
-from agent.samplers.engines import make_engine_sampler
-from agent.samples import Batch, make_labels
+from kvpressure.agent.catalogue import POD_LABELS, metric_of_sample
+from kvpressure.agent.config import parse
+from kvpressure.agent.daemon import Daemon
+from kvpressure.agent.kube import EnginePods, names_from_process_rows
+from kvpressure.agent.samplers.engines import make_engine_sampler
+from kvpressure.agent.samples import Batch, make_labels
 
 UID = "6f1c2b3a-4d5e-4f60-8a9b-0c1d2e3f4a5b"
 UID2 = "0b7d9e44-1c2a-4e0f-9b1d-5a6c7e8f9012"

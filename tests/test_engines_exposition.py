@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.samplers.engines.exposition import (
+from kvpressure.agent.samplers.engines.exposition import (
     ParseResult,
     choose_format,
     classify_response,

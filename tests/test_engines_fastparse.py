@@ -19,14 +19,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_engines_property import mutated
 
-from agent.samplers.engines import ENGINE_TYPES
-from agent.samplers.engines.exposition import (
+from kvpressure.agent.samplers.engines import ENGINE_TYPES
+from kvpressure.agent.samplers.engines.exposition import (
     ParseResult,
     parse_exposition,
     parse_text,
     wanted_families,
 )
-from agent.samplers.engines.normalize import Normalizer
+from kvpressure.agent.samplers.engines.normalize import Normalizer
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"

@@ -14,17 +14,17 @@ from pathlib import Path
 
 import pytest
 
-from agent.catalogue import CATALOGUE, metric_of_sample
-from agent.samplers.engines import ENGINE_TYPES, engine_type_from_families
-from agent.samplers.engines.exposition import parse_exposition
-from agent.samplers.engines.normalize import (
+from kvpressure.agent.catalogue import CATALOGUE, metric_of_sample
+from kvpressure.agent.samplers.engines import ENGINE_TYPES, engine_type_from_families
+from kvpressure.agent.samplers.engines.exposition import parse_exposition
+from kvpressure.agent.samplers.engines.normalize import (
     EngineMapping,
     NormalizedScrape,
     Normalizer,
     Rule,
     parse_source,
 )
-from agent.samples import Sample
+from kvpressure.agent.samples import Sample
 
 FIXTURES = Path(__file__).parent / "fixtures"
 ENGINES = FIXTURES / "engines"

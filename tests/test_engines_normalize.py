@@ -8,10 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from agent.samplers.engines import ENGINE_TYPES, EngineMapping, Rule, engine_type_from_families
-from agent.samplers.engines.exposition import parse_exposition
-from agent.samplers.engines.llamacpp import SlotUsage, parse_props, slot_usage
-from agent.samplers.engines.normalize import (
+from kvpressure.agent.samplers.engines import (
+    ENGINE_TYPES,
+    EngineMapping,
+    Rule,
+    engine_type_from_families,
+)
+from kvpressure.agent.samplers.engines.exposition import parse_exposition
+from kvpressure.agent.samplers.engines.llamacpp import SlotUsage, parse_props, slot_usage
+from kvpressure.agent.samplers.engines.normalize import (
     MAX_LABEL_VALUES,
     CounterTracker,
     NormalizedScrape,
@@ -515,7 +520,7 @@ def test_parse_props_of_the_capture() -> None:
 
 def test_ratio_windows_and_log_once_keys_do_not_grow_with_a_churning_model() -> None:
     """Issue 18, point 2: per-model state is forgotten once the model is gone."""
-    from agent.samplers.base import LogOnce
+    from kvpressure.agent.samplers.base import LogOnce
 
     n = Normalizer(ENGINE_TYPES["vllm"], "e1", "h:1", max_label_values=10_000)
     for k in range(500):  # a new model every scrape, one scrape a second

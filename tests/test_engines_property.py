@@ -8,9 +8,13 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agent.samplers.engines import ENGINE_TYPES
-from agent.samplers.engines.exposition import ParseResult, classify_response, parse_exposition
-from agent.samplers.engines.normalize import Normalizer
+from kvpressure.agent.samplers.engines import ENGINE_TYPES
+from kvpressure.agent.samplers.engines.exposition import (
+    ParseResult,
+    classify_response,
+    parse_exposition,
+)
+from kvpressure.agent.samplers.engines.normalize import Normalizer
 
 FIXTURES = Path(__file__).parent / "fixtures"
 SEEDS = [

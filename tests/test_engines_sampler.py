@@ -19,9 +19,14 @@ from pathlib import Path
 import httpx
 import pytest
 
-from agent.catalogue import metric_of_sample
-from agent.samplers.engines import ENGINE_TYPES, EngineSampler, make_engine_sampler, probe
-from agent.samples import Batch
+from kvpressure.agent.catalogue import metric_of_sample
+from kvpressure.agent.samplers.engines import (
+    ENGINE_TYPES,
+    EngineSampler,
+    make_engine_sampler,
+    probe,
+)
+from kvpressure.agent.samples import Batch
 
 FIXTURES = Path(__file__).parent / "fixtures"
 CASES = FIXTURES / "cases"
@@ -295,7 +300,7 @@ def test_case20_http_500_is_down_with_reason_and_body_logged_once(
         content_type="text/plain; charset=utf-8",
     )
     s = sampler(samplers, stub.url, engine_type="vllm")
-    with caplog.at_level(logging.DEBUG, logger="agent.samplers.engines"):
+    with caplog.at_level(logging.DEBUG, logger="kvpressure.agent.samplers.engines"):
         batch = collect(s)
         collect(s)
     assert value(batch, "kvpressure_engine_up") == 0
@@ -565,8 +570,8 @@ def test_churning_model_label_is_capped_per_engine_with_a_counter(
     models per engine within LABEL_WINDOW_S get series; further ones are dropped and counted
     in ``kvpressure_engine_label_values_dropped_total{label="model"}``, a steady engine next
     to it keeps its series, and once the window passes new models are admitted again."""
-    from agent.samplers.engines.normalize import LABEL_WINDOW_S, MAX_LABEL_VALUES
-    from agent.timeline import Timeline
+    from kvpressure.agent.samplers.engines.normalize import LABEL_WINDOW_S, MAX_LABEL_VALUES
+    from kvpressure.agent.timeline import Timeline
 
     good = (VLLM / "metrics_load.txt").read_text()
     steady_stub = EngineStub()
@@ -627,7 +632,7 @@ def test_churning_model_label_is_capped_per_engine_with_a_counter(
 
 
 def test_value_window_cap_refuses_new_values_and_expires_old_ones() -> None:
-    from agent.samplers.engines.normalize import ValueWindowCap
+    from kvpressure.agent.samplers.engines.normalize import ValueWindowCap
 
     cap = ValueWindowCap(2, window_s=10.0)
     assert cap.admit("a", 0.0) and cap.admit("b", 1.0)
@@ -1025,9 +1030,9 @@ def test_dripping_engine_is_down_with_reason_timeout_at_the_deadline(
 
 def test_dripping_engine_does_not_delay_the_next_cycle(samplers: list[EngineSampler]) -> None:
     """Run by the daemon's SamplerRunner: every cycle reports ``engine_up 0`` on schedule."""
-    from agent.daemon import SamplerRunner
-    from agent.state import AgentState
-    from agent.timeline import Timeline
+    from kvpressure.agent.daemon import SamplerRunner
+    from kvpressure.agent.state import AgentState
+    from kvpressure.agent.timeline import Timeline
 
     drip = DripServer(headers=False)
     state = AgentState(Timeline())

@@ -12,13 +12,13 @@ import time
 import httpx
 import pytest
 
-from agent.attribution.explain import fmt_seconds, fmt_value, parse_since, render
-from agent.attribution.model import Attribution, Evidence, WindowAttribution
-from agent.attribution.store import AttributionStore, RequestSummary
-from agent.cli import main
-from agent.config import parse
-from agent.daemon import Daemon
-from agent.requests.record import RequestRecord
+from kvpressure.agent.attribution.explain import fmt_seconds, fmt_value, parse_since, render
+from kvpressure.agent.attribution.model import Attribution, Evidence, WindowAttribution
+from kvpressure.agent.attribution.store import AttributionStore, RequestSummary
+from kvpressure.agent.cli import main
+from kvpressure.agent.config import parse
+from kvpressure.agent.daemon import Daemon
+from kvpressure.agent.requests.record import RequestRecord
 
 T = 1_800_000_000.0
 
@@ -285,7 +285,7 @@ def test_unknown_engine_is_named_with_the_engines_the_agent_knows(daemon, capsys
 
 
 def test_html_report_holds_tables_and_charts_inline():
-    from agent.attribution.report import render_html
+    from kvpressure.agent.attribution.report import render_html
 
     snap = {"samples": []}
     for band, ttft in (("0-50", 0.05), ("95-100", 2.0)):
@@ -304,7 +304,7 @@ def test_html_report_holds_tables_and_charts_inline():
 
 
 def test_html_report_says_what_is_missing_instead_of_drawing_zeros():
-    from agent.attribution.report import render_html
+    from kvpressure.agent.attribution.report import render_html
 
     page = render_html(AttributionStore().query(T - 10, T + 10), None)
     assert "<svg" not in page

@@ -6,11 +6,11 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import CollectorRegistry
 
-from agent import catalogue
-from agent.samples import Batch
-from agent.state import AgentState, SamplerReport
-from agent.timeline import Timeline
-from exporters.prometheus import families, make_registry, render
+from kvpressure.agent import catalogue
+from kvpressure.agent.samples import Batch
+from kvpressure.agent.state import AgentState, SamplerReport
+from kvpressure.agent.timeline import Timeline
+from kvpressure.exporters.prometheus import families, make_registry, render
 
 
 def _state_with(batch):
@@ -100,7 +100,7 @@ def test_every_catalogue_metric_passes_promtool_lint():
 def test_snapshot_keeps_source_statuses_of_a_batch_without_samples():
     """A disabled sampler (no NVML: no samples, one unsupported source) must still show its
     source status in the snapshot `kvpressure status` reads, as it does on /metrics."""
-    from agent.api import snapshot
+    from kvpressure.agent.api import snapshot
 
     b = Batch()
     b.source_unsupported("nvml", "library_not_found")
@@ -122,7 +122,7 @@ def _host_batch(value: float) -> Batch:
 def test_cache_renders_once_per_change_and_per_format(monkeypatch):
     import gzip
 
-    from exporters import prometheus as exp
+    from kvpressure.exporters import prometheus as exp
 
     state = _state_with(_host_batch(1.0))
     registry = make_registry(state)
@@ -163,10 +163,10 @@ def _live_state() -> AgentState:
     """A state with what real samplers emit: 8 fake GPUs and a vLLM engine's capture."""
     from pathlib import Path
 
-    from agent.samplers.engines import ENGINE_TYPES
-    from agent.samplers.engines.exposition import parse_exposition
-    from agent.samplers.engines.normalize import Normalizer
-    from agent.samplers.gpu import GpuSampler
+    from kvpressure.agent.samplers.engines import ENGINE_TYPES
+    from kvpressure.agent.samplers.engines.exposition import parse_exposition
+    from kvpressure.agent.samplers.engines.normalize import Normalizer
+    from kvpressure.agent.samplers.gpu import GpuSampler
 
     state = AgentState(Timeline())
     gpu = Batch()
@@ -186,7 +186,7 @@ def _live_state() -> AgentState:
 
 @pytest.mark.parametrize("openmetrics", [False, True])
 def test_encoder_writes_the_library_bytes_for_a_live_state(openmetrics):
-    from exporters.prometheus import Encoder
+    from kvpressure.exporters.prometheus import Encoder
 
     state = _live_state()
     body = Encoder().encode(state.samples(), openmetrics)
@@ -201,7 +201,7 @@ _NAMES = [n for n, m in catalogue.CATALOGUE.items() if m.kind != "histogram"][::
 def _samples():
     from hypothesis import strategies as st
 
-    from agent.samples import Sample
+    from kvpressure.agent.samples import Sample
 
     label_value = st.text(alphabet=st.sampled_from([*list('ab\\"\n{}=,é '), "\u2028"]), max_size=6)
     labels = st.dictionaries(
@@ -221,7 +221,7 @@ def _samples():
 def test_encoder_writes_the_library_bytes_for_generated_states():
     from hypothesis import given, settings
 
-    from exporters.prometheus import Encoder
+    from kvpressure.exporters.prometheus import Encoder
 
     encoder = Encoder()  # one encoder across examples: its kept prefixes must stay right
 

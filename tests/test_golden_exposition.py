@@ -27,9 +27,9 @@ from pathlib import Path
 import pytest
 from prometheus_client import generate_latest
 
-from agent.config import parse
-from agent.daemon import Daemon
-from agent.requests.record import RequestRecord
+from kvpressure.agent.config import parse
+from kvpressure.agent.daemon import Daemon
+from kvpressure.agent.requests.record import RequestRecord
 
 FIXTURES = Path(__file__).parent / "fixtures"
 GOLDEN_DIR = FIXTURES / "golden"

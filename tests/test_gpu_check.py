@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from agent.samplers import nvml_binding as nb
-from agent.samplers.fake_nvml import MIB, FakeNvml
-from agent.samplers.gpu import GpuSampler
+from kvpressure.agent.samplers import nvml_binding as nb
+from kvpressure.agent.samplers.fake_nvml import MIB, FakeNvml
+from kvpressure.agent.samplers.gpu import GpuSampler
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"

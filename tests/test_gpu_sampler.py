@@ -16,15 +16,15 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import CollectorRegistry
 
-from agent.catalogue import CATALOGUE
-from agent.samplers import nvml_binding as nb
-from agent.samplers.accelerator import AcceleratorSampler, StallThresholds, stall_reason
-from agent.samplers.fake_nvml import MIB, FakeNvml, list_profiles, load_profile
-from agent.samplers.gpu import ENGINE_PIDS_MAX_AGE_S, GpuSampler
-from agent.samples import Batch, make_labels
-from agent.state import AgentState, SamplerReport
-from agent.timeline import Timeline
-from exporters.prometheus import families
+from kvpressure.agent.catalogue import CATALOGUE
+from kvpressure.agent.samplers import nvml_binding as nb
+from kvpressure.agent.samplers.accelerator import AcceleratorSampler, StallThresholds, stall_reason
+from kvpressure.agent.samplers.fake_nvml import MIB, FakeNvml, list_profiles, load_profile
+from kvpressure.agent.samplers.gpu import ENGINE_PIDS_MAX_AGE_S, GpuSampler
+from kvpressure.agent.samples import Batch, make_labels
+from kvpressure.agent.state import AgentState, SamplerReport
+from kvpressure.agent.timeline import Timeline
+from kvpressure.exporters.prometheus import families
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "gpu"
 
@@ -318,7 +318,7 @@ def test_case04_exposition_passes_promtool(tmp_path):
 
 
 def test_through_agent_state_and_the_prometheus_exporter():
-    from exporters.prometheus import make_registry
+    from kvpressure.exporters.prometheus import make_registry
 
     eng = Engines()
     state = AgentState(Timeline())
@@ -410,7 +410,7 @@ def test_case06_mismatch_at_start_backs_off_and_heals_without_restart(caplog):
     version_file = FIXTURES / "06-nvml-driver-mismatch.input.txt"
     s, fake, clock = make("driver-mismatch-heals", driver_version_file=str(version_file))
     seen = []
-    with caplog.at_level(logging.WARNING, logger="agent.samplers.gpu"):
+    with caplog.at_level(logging.WARNING, logger="kvpressure.agent.samplers.gpu"):
         for _ in range(10):
             b = collect(s)  # never raises
             seen.append((sources(b)["nvml"], get(b, "kvpressure_gpu_up", gpu="0")))
@@ -452,7 +452,7 @@ def test_case06_driver_reload_under_a_running_agent():
 
 def test_no_nvml_library_disables_once_with_a_hint(caplog):
     s = GpuSampler(nb.NvmlBinding(None, "nvml"), interval_s=1.0)
-    with caplog.at_level(logging.WARNING, logger="agent.samplers.gpu"):
+    with caplog.at_level(logging.WARNING, logger="kvpressure.agent.samplers.gpu"):
         for _ in range(5):
             b = collect(s)
             assert sources(b) == {"nvml": ("unsupported", "library_not_found")}
@@ -728,7 +728,7 @@ def test_broken_engine_pids_provider_does_not_stop_sampling(caplog):
         raise RuntimeError("psutil went away")
 
     s, _f, _c = make("h200", engine_pids=boom)
-    with caplog.at_level(logging.WARNING, logger="agent.samplers.gpu"):
+    with caplog.at_level(logging.WARNING, logger="kvpressure.agent.samplers.gpu"):
         b = collect(s)
         b = collect(s)
     assert get(b, "kvpressure_gpu_up") == 1.0
@@ -967,7 +967,7 @@ def _static(batch):
 
 @pytest.mark.parametrize("profile", ["h200", "a100-80gb-mig", "gb10", "h100-sxm"])
 def test_gpu_record_round_trip_through_a_profile_file(tmp_path, profile):
-    from agent.cli import main
+    from kvpressure.agent.cli import main
 
     path = tmp_path / f"{profile}.yaml"
     assert main(["gpu", "record", str(path), "--binding", f"fake:{profile}", "--seconds", "0"]) == 0
@@ -986,7 +986,7 @@ def test_gpu_record_round_trip_through_a_profile_file(tmp_path, profile):
 
 
 def test_gpu_record_keeps_nvml_errors_and_odd_rows(tmp_path):
-    from agent.samplers.fake_nvml.record import record
+    from kvpressure.agent.samplers.fake_nvml.record import record
 
     spec = load_profile("h200")
     spec["device"] = {**spec["device"], "errors": {"nvmlDeviceGetPowerUsage": 4}}  # NO_PERMISSION
@@ -1004,7 +1004,7 @@ def test_gpu_record_keeps_nvml_errors_and_odd_rows(tmp_path):
 
 
 def test_config_accepts_a_fake_profile_file_and_rejects_a_missing_one(tmp_path):
-    from agent.config import ConfigError, load
+    from kvpressure.agent.config import ConfigError, load
 
     path = tmp_path / "gpu.yaml"
     path.write_text(

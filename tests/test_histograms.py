@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agent.histograms import (
+from kvpressure.agent.histograms import (
     HistogramSnapshot,
     WindowedHistogram,
     histogram_quantile,

@@ -17,16 +17,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agent import catalogue
-from agent.samplers import host
-from agent.samplers.host import (
+from kvpressure.agent import catalogue
+from kvpressure.agent.samplers import host
+from kvpressure.agent.samplers.host import (
     HostSampler,
     is_physical_disk_name,
     parse_diskstats,
     parse_psi,
     parse_snmp,
 )
-from agent.samples import Batch, make_labels
+from kvpressure.agent.samples import Batch, make_labels
 
 FIXTURES = Path(__file__).parent / "fixtures" / "host"
 KB = 1024
@@ -510,7 +510,7 @@ def test_case23_missing_pressure_dir_is_unsupported_and_logged_once(
         f.unlink()
     (tree.proc / "pressure").rmdir()
     sampler = tree.sampler()
-    with caplog.at_level(logging.DEBUG, logger="agent.samplers.host"):
+    with caplog.at_level(logging.DEBUG, logger="kvpressure.agent.samplers.host"):
         batches = [collect(sampler) for _ in range(3)]
     for batch in batches:
         assert status(batch, "psi") == ("unsupported", "kernel_without_psi")
@@ -550,7 +550,7 @@ def test_case23_eopnotsupp_is_unsupported_logged_once_and_reprobed_slowly(
     now = 1000.0
     sampler = tree.sampler()
     sampler._now = lambda: now
-    with caplog.at_level(logging.DEBUG, logger="agent.samplers.host"):
+    with caplog.at_level(logging.DEBUG, logger="kvpressure.agent.samplers.host"):
         for _ in range(5):
             batch = collect(sampler)
             assert status(batch, "psi") == ("unsupported", "psi_disabled_boot_param")
@@ -798,7 +798,7 @@ def test_case24_sampler_exports_whole_physical_disks_only(
     for name in ("sdb", "sdc", "sdd", "sde"):
         tree.block(name)
     tree.block("dm-0", virtual=True)
-    with caplog.at_level(logging.WARNING, logger="agent.samplers.host"):
+    with caplog.at_level(logging.WARNING, logger="kvpressure.agent.samplers.host"):
         batch = collect(tree.sampler())
     want = {
         "nvme0n1": {
@@ -919,7 +919,7 @@ def test_netdev_caps_interfaces_physical_first_and_logs_once(
     (tree.sys / "class/net").mkdir(parents=True)
     (tree.sys / "class/net/ens5").symlink_to(tree.sys / "devices/pci0000:00/net/ens5")
     sampler = tree.sampler()
-    with caplog.at_level(logging.WARNING, logger="agent.samplers.host"):
+    with caplog.at_level(logging.WARNING, logger="kvpressure.agent.samplers.host"):
         batches = [collect(sampler) for _ in range(3)]
     for batch in batches:
         got = series(batch, "kvpressure_net_receive_bytes_total")
@@ -1017,7 +1017,7 @@ def test_empty_roots_never_raise(tmp_path: Path) -> None:
 def test_error_logged_once_until_recovery(tree: Tree, caplog: pytest.LogCaptureFixture) -> None:
     sampler = tree.sampler()
     snmp = tree.proc / "net/snmp"
-    with caplog.at_level(logging.WARNING, logger="agent.samplers.host"):
+    with caplog.at_level(logging.WARNING, logger="kvpressure.agent.samplers.host"):
         snmp.rename(tree.proc / "snmp.bak")
         collect(sampler)
         collect(sampler)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.kube import PodRef, pod_of_cgroup, pod_of_path, pod_of_pid
+from kvpressure.agent.kube import PodRef, pod_of_cgroup, pod_of_path, pod_of_pid
 
 UID = "6f1c2b3a-4d5e-4f60-8a9b-0c1d2e3f4a5b"
 UID_ = UID.replace("-", "_")

@@ -22,8 +22,13 @@ import httpx
 import pytest
 from aiohttp import web
 
-from agent.listener import BoundedSite, ConnectionCap, ServerLog, install_accept_error_handler
-from agent.logs import RateLimitedLog
+from kvpressure.agent.listener import (
+    BoundedSite,
+    ConnectionCap,
+    ServerLog,
+    install_accept_error_handler,
+)
+from kvpressure.agent.logs import RateLimitedLog
 
 QUIET = (
     "samplers: {host: {enabled: false}, engines: {enabled: false}, gpu: {enabled: false}, "
@@ -44,11 +49,12 @@ def _agent(tmp_path: Path, max_connections: int, nofile: int) -> Iterator[tuple[
     cfg.write_text(f"listen: '127.0.0.1:{port}'\nmax_connections: {max_connections}\n{QUIET}")
     err = tmp_path / "stderr.log"
     with err.open("w") as err_f:
-        # `python -m agent.cli run` with RLIMIT_NOFILE set first (no preexec_fn: threads)
+        # `python -m kvpressure.agent.cli run` with RLIMIT_NOFILE set first (no preexec_fn: threads)
         start = (
             "import resource, runpy, sys; "
             f"resource.setrlimit(resource.RLIMIT_NOFILE, ({nofile}, {nofile})); "
-            "sys.argv[0] = 'kvpressure'; runpy.run_module('agent.cli', run_name='__main__')"
+            "sys.argv[0] = 'kvpressure'; "
+            "runpy.run_module('kvpressure.agent.cli', run_name='__main__')"
         )
         proc = subprocess.Popen(
             [sys.executable, "-c", start, "run", "--config", str(cfg)], stderr=err_f
@@ -242,7 +248,7 @@ def test_accept_error_handler_passes_other_errors_on(caplog: pytest.LogCaptureFi
         loop.call_exception_handler({"message": "something else"})
         assert seen == ["something else"]
 
-    with caplog.at_level(logging.WARNING, logger="agent.listener"):
+    with caplog.at_level(logging.WARNING, logger="kvpressure.agent.listener"):
         asyncio.run(main())
     assert [r.getMessage() for r in caplog.records].count(
         "accept failed: out of file descriptors or buffers; retrying"

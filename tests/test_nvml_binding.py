@@ -8,8 +8,8 @@ from pathlib import Path
 import pynvml
 import pytest
 
-from agent.samplers import nvml_binding as nb
-from agent.samplers.fake_nvml import MIB, FakeNvml, list_profiles, load_profile
+from kvpressure.agent.samplers import nvml_binding as nb
+from kvpressure.agent.samplers.fake_nvml import MIB, FakeNvml, list_profiles, load_profile
 
 PROFILES = Path(__file__).resolve().parent.parent / "agent" / "samplers" / "fake_nvml" / "profiles"
 
@@ -185,7 +185,7 @@ def test_memory_v2_falls_back_to_v1_once_and_logs_once(caplog):
     b = nb.NvmlBinding(fake, "fake")
     b.init()
     h = b.call("nvmlDeviceGetHandleByIndex", 0)
-    with caplog.at_level(logging.INFO, logger="agent.samplers.nvml_binding"):
+    with caplog.at_level(logging.INFO, logger="kvpressure.agent.samplers.nvml_binding"):
         m1 = b.memory_info(h)
         m2 = b.memory_info(h)
     assert fake.calls["v2-attempt"] == 1  # probed once
@@ -230,7 +230,7 @@ def test_driver_without_a_function_is_logged_once_and_not_called_again(caplog):
     b = nb.NvmlBinding(fake, "fake")
     b.init()
     h = b.call("nvmlDeviceGetHandleByIndex", 0)
-    with caplog.at_level(logging.INFO, logger="agent.samplers.nvml_binding"):
+    with caplog.at_level(logging.INFO, logger="kvpressure.agent.samplers.nvml_binding"):
         for _ in range(5):
             assert b.clocks_event_reasons(h) == 1  # GB10 profile: idle, via ThrottleReasons
     assert fake.calls["new-name"] == 1

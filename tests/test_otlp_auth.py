@@ -17,8 +17,8 @@ import bcrypt
 import httpx
 import pytest
 
-from agent.config import ConfigError, load, read_token
-from agent.daemon import Daemon
+from kvpressure.agent.config import ConfigError, load, read_token
+from kvpressure.agent.daemon import Daemon
 from tests.test_otlp_receiver import PB, capture_span, counters, export
 
 QUIET = (
@@ -140,7 +140,7 @@ def test_check_config_and_run_refuse_an_unreadable_token_file(tmp_path: Path) ->
     )
     for command in (["check-config", str(config)], ["run", "--config", str(config)]):
         res = subprocess.run(
-            [sys.executable, "-m", "agent.cli", *command],
+            [sys.executable, "-m", "kvpressure.agent.cli", *command],
             capture_output=True,
             text=True,
             timeout=60,

@@ -30,11 +30,11 @@ from opentelemetry.sdk.metrics.export import (
 )
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from agent.attribution.model import Attribution, Evidence
-from agent.samples import Batch, Sample, make_labels
-from agent.state import AgentState
-from agent.timeline import Timeline
-from exporters.otlp import (
+from kvpressure.agent.attribution.model import Attribution, Evidence
+from kvpressure.agent.samples import Batch, Sample, make_labels
+from kvpressure.agent.state import AgentState
+from kvpressure.agent.timeline import Timeline
+from kvpressure.exporters.otlp import (
     SPAN_NAME,
     OtlpExport,
     snapshot_metrics,
@@ -153,7 +153,7 @@ def test_gpu_fault_span_carries_the_xid():
 
 
 def _state_with(samples: list[Sample]) -> AgentState:
-    from agent.state import SamplerReport
+    from kvpressure.agent.state import SamplerReport
 
     st = AgentState(Timeline())
     st.publish(SamplerReport("t", time.time(), 0.0, True, "", Batch(samples)))
@@ -346,9 +346,9 @@ def test_exporter_down_costs_a_bounded_queue_and_a_dropped_counter():
 
 def test_daemon_exports_attribution_spans_and_metrics_when_an_endpoint_is_set():
     pytest.importorskip("opentelemetry.exporter.otlp.proto.http")
-    from agent.config import parse
-    from agent.daemon import Daemon
-    from agent.requests.record import RequestRecord
+    from kvpressure.agent.config import parse
+    from kvpressure.agent.daemon import Daemon
+    from kvpressure.agent.requests.record import RequestRecord
 
     with Collector() as col:
         cfg = parse(

@@ -30,13 +30,13 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span, Status
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent.api import make_app
-from agent.requests.otlp_receiver import OtlpReceiver, decode
-from agent.requests.record import RequestStream
-from agent.samples import Batch
-from agent.state import AgentState
-from agent.timeline import Timeline
-from exporters.prometheus import make_registry
+from kvpressure.agent.api import make_app
+from kvpressure.agent.requests.otlp_receiver import OtlpReceiver, decode
+from kvpressure.agent.requests.record import RequestStream
+from kvpressure.agent.samples import Batch
+from kvpressure.agent.state import AgentState
+from kvpressure.agent.timeline import Timeline
+from kvpressure.exporters.prometheus import make_registry
 
 ROOT = Path(__file__).resolve().parents[1]
 CAPTURE = (
@@ -520,7 +520,7 @@ def test_engine_labels_are_bounded(stream: RequestStream) -> None:
 
 
 def test_decode_rejects_non_object_json() -> None:
-    from agent.requests.otlp_receiver import OtlpDecodeError
+    from kvpressure.agent.requests.otlp_receiver import OtlpDecodeError
 
     with pytest.raises(OtlpDecodeError):
         decode(b'"x"', "application/json")
@@ -531,7 +531,7 @@ def test_receiver_counters_reach_the_exposition(agent: Agent) -> None:
     b = Batch()
     agent.receiver.add_samples(b)
     agent.state.publish(
-        __import__("agent.state", fromlist=["SamplerReport"]).SamplerReport(
+        __import__("kvpressure.agent.state", fromlist=["SamplerReport"]).SamplerReport(
             "requests", 0.0, 0.0, True, "", b
         )
     )
@@ -656,7 +656,10 @@ def test_issue17_a_phase_longer_than_the_request_is_dropped_alone(
 
 
 def test_spans_per_export_and_attributes_per_span_are_capped(stream: RequestStream) -> None:
-    from agent.requests.otlp_receiver import MAX_ATTRIBUTES_PER_SPAN, MAX_SPANS_PER_EXPORT
+    from kvpressure.agent.requests.otlp_receiver import (
+        MAX_ATTRIBUTES_PER_SPAN,
+        MAX_SPANS_PER_EXPORT,
+    )
 
     receiver = OtlpReceiver(stream)
     plain = [Span(name="db.query", start_time_unix_nano=1, end_time_unix_nano=2)] * (
@@ -678,7 +681,7 @@ def test_concurrent_decodes_are_bounded_and_the_overflow_is_a_503(
 ) -> None:
     """Two exports decode at once and 16 wait; the next one is told to retry (503,
     Retry-After) at once instead of piling up bodies in memory."""
-    from agent.requests.otlp_receiver import MAX_CONCURRENT_DECODES, MAX_WAITING_DECODES
+    from kvpressure.agent.requests.otlp_receiver import MAX_CONCURRENT_DECODES, MAX_WAITING_DECODES
 
     n = MAX_CONCURRENT_DECODES + MAX_WAITING_DECODES
     head = (
@@ -714,7 +717,7 @@ def test_concurrent_decodes_are_bounded_and_the_overflow_is_a_503(
 def test_a_body_dripped_slowly_is_a_408_and_frees_its_slot(
     agent: Agent, stream: RequestStream, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from agent.requests import otlp_receiver
+    from kvpressure.agent.requests import otlp_receiver
 
     monkeypatch.setattr(otlp_receiver, "BODY_READ_TIMEOUT_S", 0.5)
     head = (

@@ -21,16 +21,16 @@ from typing import get_args
 
 import pytest
 
-from agent import catalogue, pipeline
-from agent.attribution.store import AttributionStore
-from agent.config import ENGINE_TYPES, ConfigError, SamplersConfig, parse
-from agent.pipeline import Context, Plan, Planned, Registration, Sampler, Stage
-from agent.requests.record import RequestStream
-from agent.samplers.engines import ENGINE_TYPES as ENGINE_MAPPINGS
-from agent.samples import Batch
-from agent.scheduler import Runners
-from agent.state import AgentState
-from agent.timeline import Timeline
+from kvpressure.agent import catalogue, pipeline
+from kvpressure.agent.attribution.store import AttributionStore
+from kvpressure.agent.config import ENGINE_TYPES, ConfigError, SamplersConfig, parse
+from kvpressure.agent.pipeline import Context, Plan, Planned, Registration, Sampler, Stage
+from kvpressure.agent.requests.record import RequestStream
+from kvpressure.agent.samplers.engines import ENGINE_TYPES as ENGINE_MAPPINGS
+from kvpressure.agent.samples import Batch
+from kvpressure.agent.scheduler import Runners
+from kvpressure.agent.state import AgentState
+from kvpressure.agent.timeline import Timeline
 
 ROOT = Path(__file__).resolve().parent.parent
 GOLDEN = Path(__file__).parent / "fixtures" / "golden" / "e2e-output.txt"
@@ -94,11 +94,11 @@ def _files(package: str) -> list[Path]:
 @pytest.mark.parametrize(
     ("importer", "forbidden"),
     [
-        ("agent.samplers", "agent.requests"),
-        ("exporters", "agent.samplers"),
-        ("agent.requests", "agent.samplers"),
-        ("agent.config", "agent.attribution"),
-        ("agent.config", "agent.capacity"),
+        ("kvpressure.agent.samplers", "kvpressure.agent.requests"),
+        ("exporters", "kvpressure.agent.samplers"),
+        ("kvpressure.agent.requests", "kvpressure.agent.samplers"),
+        ("kvpressure.agent.config", "kvpressure.agent.attribution"),
+        ("kvpressure.agent.config", "kvpressure.agent.capacity"),
     ],
 )
 def test_imports_go_one_way(importer, forbidden):
@@ -117,21 +117,26 @@ def test_sources_do_not_import_the_state_or_other_sources():
     regs = pipeline.registry().values()
     source_modules = {r.plan.__module__ for r in regs if r.stage is Stage.SOURCE}
     assert source_modules == {
-        "agent.samplers.host",
-        "agent.samplers.gpu",
-        "agent.samplers.engines",
+        "kvpressure.agent.samplers.host",
+        "kvpressure.agent.samplers.gpu",
+        "kvpressure.agent.samplers.engines",
     }
     files = [
         f
-        for f in _files("agent.samplers")
+        for f in _files("kvpressure.agent.samplers")
         if f.name != "accelerator.py"  # the one derived stage under samplers/
     ]
     for f in files:
         for m in _imports(f):
-            assert m not in ("agent.state", "agent.timeline"), f"{f.relative_to(ROOT)}: {m}"
-            assert not m.startswith("agent.requests"), f"{f.relative_to(ROOT)}: {m}"
+            assert m not in ("kvpressure.agent.state", "kvpressure.agent.timeline"), (
+                f"{f.relative_to(ROOT)}: {m}"
+            )
+            assert not m.startswith("kvpressure.agent.requests"), f"{f.relative_to(ROOT)}: {m}"
     host = _imports(ROOT / "agent/samplers/host.py")
-    assert not any(m.startswith(("agent.samplers.gpu", "agent.samplers.engines")) for m in host)
+    assert not any(
+        m.startswith(("kvpressure.agent.samplers.gpu", "kvpressure.agent.samplers.engines"))
+        for m in host
+    )
 
 
 class _NoState:
@@ -195,13 +200,13 @@ def test_a_derived_stage_with_after_runs_after_each_report_of_its_source():
 
 
 def test_the_old_attribution_switch_still_works_with_a_deprecation_warning(caplog):
-    with caplog.at_level(logging.WARNING, logger="agent.config"):
+    with caplog.at_level(logging.WARNING, logger="kvpressure.agent.config"):
         cfg = parse("attribution: {enabled: false, slo_ttft_s: 3}\n")
     assert cfg.samplers.attribution.enabled is False
     assert cfg.attribution.slo_ttft_s == 3
     assert any("attribution.enabled is deprecated" in r.getMessage() for r in caplog.records)
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="agent.config"):
+    with caplog.at_level(logging.WARNING, logger="kvpressure.agent.config"):
         cfg = parse("attribution: {enabled: false}\nsamplers: {attribution: {enabled: true}}\n")
     assert cfg.samplers.attribution.enabled is True  # the new key wins
     assert any("ignored" in r.getMessage() for r in caplog.records)
@@ -283,10 +288,10 @@ def test_runners_survive_a_factory_that_raises():
 
 
 def test_closed_sets_are_types_that_match_their_runtime_sets():
-    from agent.attribution.model import ALL_CAUSES, Cause
-    from agent.attribution.rules import RULES
-    from agent.requests.record import OUTCOMES, Outcome
-    from agent.samples import SourceState
+    from kvpressure.agent.attribution.model import ALL_CAUSES, Cause
+    from kvpressure.agent.attribution.rules import RULES
+    from kvpressure.agent.requests.record import OUTCOMES, Outcome
+    from kvpressure.agent.samples import SourceState
 
     assert set(get_args(Cause)) == set(ALL_CAUSES)
     assert {r.cause for r in RULES} <= set(ALL_CAUSES)
@@ -295,8 +300,8 @@ def test_closed_sets_are_types_that_match_their_runtime_sets():
 
 
 def test_the_accelerator_is_unsupported_where_the_gpu_sampler_is():
-    from agent.samplers.accelerator import AcceleratorSampler
-    from agent.state import SamplerReport
+    from kvpressure.agent.samplers.accelerator import AcceleratorSampler
+    from kvpressure.agent.state import SamplerReport
 
     gpu = Batch()
     gpu.source_unsupported("nvml", "library_not_found")

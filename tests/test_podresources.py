@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.podresources import LIST_METHOD, MESSAGES, assignments_of, make_client
+from kvpressure.agent.podresources import LIST_METHOD, MESSAGES, assignments_of, make_client
 
 grpc = pytest.importorskip("grpc")
 
@@ -78,7 +78,7 @@ def test_a_missing_socket_is_no_assignments_and_one_warning_a_minute(
 ) -> None:
     client = make_client(str(tmp_path / "no-such.sock"), timeout_s=0.5)
     assert client is not None
-    with caplog.at_level(logging.WARNING, logger="agent.podresources"):
+    with caplog.at_level(logging.WARNING, logger="kvpressure.agent.podresources"):
         got = [client() for _ in range(5)]  # the GPU sampler asks once per slow cycle
     assert got == [{}] * 5
     failed = [r for r in caplog.records if "pod-resources List" in r.getMessage()]

@@ -25,10 +25,10 @@ import httpx
 import pytest
 from aiohttp import web
 
-from agent.logs import LogfmtFormatter
-from agent.requests import proxy as proxy_module
-from agent.requests.proxy import Observer, RequestProxy, classify_error
-from agent.requests.record import RequestRecord, RequestStream
+from kvpressure.agent.logs import LogfmtFormatter
+from kvpressure.agent.requests import proxy as proxy_module
+from kvpressure.agent.requests.proxy import Observer, RequestProxy, classify_error
+from kvpressure.agent.requests.record import RequestRecord, RequestStream
 
 SECRET_PROMPT = "PROMPT-7f3a9c-do-not-log"
 SECRET_TOKEN = "TOKEN-b51e02-do-not-log"
@@ -361,7 +361,7 @@ def test_stream_is_byte_exact_and_timed(
     assert rec.upstream_connect_s is not None and 0 <= rec.upstream_connect_s < 1
     assert rec.end >= rec.start
     text = logs.getvalue()
-    assert "logger=agent.requests.proxy" in text  # the proxy did log this request
+    assert "logger=kvpressure.agent.requests.proxy" in text  # the proxy did log this request
     assert SECRET_PROMPT not in text and SECRET_TOKEN not in text
 
 

@@ -17,14 +17,14 @@ import pytest
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent.config import parse
-from agent.daemon import Daemon
-from agent.requests.metrics import LATENCY_BUCKETS_S, Histogram, RequestMetrics
-from agent.requests.record import RequestRecord, RequestStream
-from agent.samples import Batch
-from agent.state import AgentState, SamplerReport
-from agent.timeline import Timeline
-from exporters.prometheus import make_registry, render
+from kvpressure.agent.config import parse
+from kvpressure.agent.daemon import Daemon
+from kvpressure.agent.requests.metrics import LATENCY_BUCKETS_S, Histogram, RequestMetrics
+from kvpressure.agent.requests.record import RequestRecord, RequestStream
+from kvpressure.agent.samples import Batch
+from kvpressure.agent.state import AgentState, SamplerReport
+from kvpressure.agent.timeline import Timeline
+from kvpressure.exporters.prometheus import make_registry, render
 
 
 def rec(engine: str = "llamacpp", **kw: Any) -> RequestRecord:

@@ -24,7 +24,7 @@ import promql_parser as pp
 import pytest
 import yaml
 
-from agent.catalogue import CATALOGUE
+from kvpressure.agent.catalogue import CATALOGUE
 
 ROOT = Path(__file__).resolve().parents[1]
 RULES = ROOT / "deploy" / "prometheus" / "kvpressure-rules.yml"
@@ -371,13 +371,13 @@ def test_dashboards_use_only_catalogue_metrics_and_labels():
 def test_pending_panels_parse_and_use_only_declared_names():
     """Panels waiting for later metrics are valid PromQL over the catalogue + their needs."""
     sys.path.insert(0, str(ROOT))
-    from dashboards import build
+    from kvpressure.dashboards import build
 
     for pending in build.PENDING:
         checker, _ = rule_checker()
         assert not set(pending.needs) & set(CATALOGUE), (
             f"{pending.needs} are in the catalogue now: move these panels into "
-            f"{pending.dashboard} and regenerate (python -m dashboards.build)"
+            f"{pending.dashboard} and regenerate (python -m kvpressure.dashboards.build)"
         )
         for name in pending.needs:  # labels as DESIGN.md announces them, unchecked
             checker.known[name] = checker.known[f"{name}_bucket"] = frozenset()

@@ -1,5 +1,5 @@
-from agent.samples import Batch, Sample
-from agent.timeline import Ring, Timeline
+from kvpressure.agent.samples import Batch, Sample
+from kvpressure.agent.timeline import Ring, Timeline
 
 
 def test_ring_keeps_newest_points_in_order():
@@ -93,7 +93,7 @@ def test_ring_points_bisect_equals_a_scan_wrapped_or_not():
     from hypothesis import given, settings
     from hypothesis import strategies as st
 
-    from agent.timeline import Ring
+    from kvpressure.agent.timeline import Ring
 
     @settings(max_examples=300, deadline=None, database=None)
     @given(
@@ -118,8 +118,8 @@ def test_ring_points_bisect_equals_a_scan_wrapped_or_not():
 
 
 def test_window_reads_only_the_series_of_its_name_and_forgets_with_them():
-    from agent.samples import Sample
-    from agent.timeline import Timeline
+    from kvpressure.agent.samples import Sample
+    from kvpressure.agent.timeline import Timeline
 
     tl = Timeline(points_per_series=4, max_series=3, evict_after_s=1.0)
     tl.append(1.0, [Sample("a", 1.0, (("x", "1"),)), Sample("b", 2.0, (("x", "1"),))])

@@ -17,9 +17,9 @@ import bcrypt
 import httpx
 import pytest
 
-from agent.config import ConfigError, parse
-from agent.daemon import Daemon
-from agent.webconfig import load_web_config
+from kvpressure.agent.config import ConfigError, parse
+from kvpressure.agent.daemon import Daemon
+from kvpressure.agent.webconfig import load_web_config
 
 QUIET = (
     "samplers: {host: {enabled: false}, engines: {enabled: false}, gpu: {enabled: false}, "
@@ -130,7 +130,7 @@ def test_bad_web_config_is_one_clear_error(tmp_path: Path, text: str, error: str
     cfg = tmp_path / "k.yaml"
     cfg.write_text(f"web_config_file: '{web}'\n")
     proc = subprocess.run(
-        [sys.executable, "-m", "agent.cli", "check-config", str(cfg)],
+        [sys.executable, "-m", "kvpressure.agent.cli", "check-config", str(cfg)],
         capture_output=True,
         text=True,
         timeout=30,

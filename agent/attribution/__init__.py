@@ -14,17 +14,17 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from agent.attribution.detector import SlowDetector
-from agent.attribution.engine import Attributor
-from agent.attribution.rules import Params
-from agent.attribution.sampler import AttributionSampler, SpanSink
-from agent.attribution.store import AttributionStore
-from agent.pipeline import Context, Plan, Stage, register
+from kvpressure.agent.attribution.detector import SlowDetector
+from kvpressure.agent.attribution.engine import Attributor
+from kvpressure.agent.attribution.rules import Params
+from kvpressure.agent.attribution.sampler import AttributionSampler, SpanSink
+from kvpressure.agent.attribution.store import AttributionStore
+from kvpressure.agent.pipeline import Context, Plan, Stage, register
 
 if TYPE_CHECKING:
-    from agent.config import AttributionConfig, Config
-    from agent.requests.record import RequestStream
-    from agent.timeline import Timeline
+    from kvpressure.agent.config import AttributionConfig, Config
+    from kvpressure.agent.requests.record import RequestStream
+    from kvpressure.agent.timeline import Timeline
 
 __all__ = ["AttributionSampler", "AttributionStore", "Attributor", "SlowDetector", "make_sampler"]
 
@@ -77,7 +77,7 @@ def make_sampler(
 
 def _check(config: Config) -> Iterator[tuple[str, str]]:
     """``attribution.thresholds`` names known rules, each with threshold != saturation."""
-    from agent.attribution.rules import RULES_BY_NAME
+    from kvpressure.agent.attribution.rules import RULES_BY_NAME
 
     for name, (thr, sat) in config.attribution.thresholds.items():
         if name not in RULES_BY_NAME:

@@ -67,7 +67,7 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
-from agent.requests.record import RequestRecord
+from kvpressure.agent.requests.record import RequestRecord
 
 PHASES: tuple[str, ...] = ("queue", "prefill", "ttft", "tpot", "itl_max", "e2e")
 """Phases a verdict can name."""

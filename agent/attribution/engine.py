@@ -24,8 +24,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from agent.attribution.detector import Verdict, quantile
-from agent.attribution.model import (
+from kvpressure.agent.attribution.detector import Verdict, quantile
+from kvpressure.agent.attribution.model import (
     CAUSES,
     EVENT_CAUSES,
     SYMPTOM_CAUSES,
@@ -33,9 +33,9 @@ from agent.attribution.model import (
     Attribution,
     WindowAttribution,
 )
-from agent.attribution.rules import Params, Scope, evaluate
-from agent.attribution.signals import Signals
-from agent.requests.record import RequestRecord
+from kvpressure.agent.attribution.rules import Params, Scope, evaluate
+from kvpressure.agent.attribution.signals import Signals
+from kvpressure.agent.requests.record import RequestRecord
 
 
 def primary_cause(scores: Mapping[str, float], min_score: float) -> str:

@@ -13,8 +13,8 @@ import re
 import time
 from typing import Any
 
-from agent.attribution.model import REMEDIES
-from agent.attribution.rules import RULES_BY_NAME
+from kvpressure.agent.attribution.model import REMEDIES
+from kvpressure.agent.attribution.rules import RULES_BY_NAME
 
 _DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(ms|s|m|h|d)?\s*$")
 _UNIT_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}

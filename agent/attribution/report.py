@@ -28,9 +28,15 @@ import time
 from collections import Counter
 from typing import Any
 
-from agent.attribution.explain import causes_of, fmt_seconds, fmt_value, header, is_host_wide
-from agent.attribution.model import ALL_CAUSES, UNKNOWN
-from agent.capacity import knee
+from kvpressure.agent.attribution.explain import (
+    causes_of,
+    fmt_seconds,
+    fmt_value,
+    header,
+    is_host_wide,
+)
+from kvpressure.agent.attribution.model import ALL_CAUSES, UNKNOWN
+from kvpressure.agent.capacity import knee
 
 _CAUSE_ORDER = (*ALL_CAUSES, UNKNOWN)
 _COLORS = {

@@ -141,9 +141,9 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from agent.attribution.model import ENGINE_METRICS, ENGINE_METRICS_STALE, Cause, Evidence
-from agent.attribution.signals import Signals
-from agent.requests.record import RequestRecord
+from kvpressure.agent.attribution.model import ENGINE_METRICS, ENGINE_METRICS_STALE, Cause, Evidence
+from kvpressure.agent.attribution.signals import Signals
+from kvpressure.agent.requests.record import RequestRecord
 
 THROTTLE_REASONS = frozenset(
     {
@@ -923,7 +923,7 @@ def evaluate(
         fired), the evidence with a score > 0 strongest first, and what could not be
         assessed (:data:`ENGINE_METRICS` when the engine's metrics were unavailable).
     """
-    from agent.attribution.model import ALL_CAUSES
+    from kvpressure.agent.attribution.model import ALL_CAUSES
 
     unassessed: list[str] = []
     if engine_unavailable(sig, sc):

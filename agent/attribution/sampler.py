@@ -34,16 +34,16 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Protocol
 
-from agent.attribution.detector import SlowDetector, Verdict
-from agent.attribution.engine import Attributor
-from agent.attribution.model import ALL_CAUSES, CAUSES, UNKNOWN, Attribution
-from agent.attribution.rules import LONG_LOOKBACK, METRICS_READ
-from agent.attribution.signals import Signals
-from agent.attribution.store import AttributionStore, RequestSummary
-from agent.pipeline import Sampler
-from agent.requests.record import RequestRecord, RequestStream
-from agent.samples import Batch
-from agent.timeline import Timeline
+from kvpressure.agent.attribution.detector import SlowDetector, Verdict
+from kvpressure.agent.attribution.engine import Attributor
+from kvpressure.agent.attribution.model import ALL_CAUSES, CAUSES, UNKNOWN, Attribution
+from kvpressure.agent.attribution.rules import LONG_LOOKBACK, METRICS_READ
+from kvpressure.agent.attribution.signals import Signals
+from kvpressure.agent.attribution.store import AttributionStore, RequestSummary
+from kvpressure.agent.pipeline import Sampler
+from kvpressure.agent.requests.record import RequestRecord, RequestStream
+from kvpressure.agent.samples import Batch
+from kvpressure.agent.timeline import Timeline
 
 log = logging.getLogger(__name__)
 

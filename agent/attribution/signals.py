@@ -17,7 +17,7 @@ import bisect
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
-from agent.timeline import Timeline
+from kvpressure.agent.timeline import Timeline
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,9 +17,9 @@ from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any
 
-from agent.attribution.detector import quantile
-from agent.attribution.model import UNKNOWN, Attribution, WindowAttribution
-from agent.requests.record import RequestRecord
+from kvpressure.agent.attribution.detector import quantile
+from kvpressure.agent.attribution.model import UNKNOWN, Attribution, WindowAttribution
+from kvpressure.agent.requests.record import RequestRecord
 
 PHASES: tuple[str, ...] = ("ttft", "e2e", "queue", "prefill", "decode", "tpot", "itl", "itl_max")
 """Latency phases summarised by :meth:`AttributionStore.query`; ``tpot`` is each request's

@@ -14,8 +14,8 @@ import threading
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
-from agent.catalogue import SampleName, histogram_names
-from agent.histograms import histogram_quantile
+from kvpressure.agent.catalogue import SampleName, histogram_names
+from kvpressure.agent.histograms import histogram_quantile
 
 BANDS: tuple[tuple[str, float, float], ...] = (
     ("0-50", 0.0, 0.50),

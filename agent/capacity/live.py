@@ -60,16 +60,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from agent.capacity.knee import KneeHistogram
-from agent.capacity.kvbytes import DTYPE_BYTES, KVShape, ModelShapeError, load_shape
-from agent.logs import LogOnce
-from agent.pipeline import Context, Plan, Sampler, Stage, register
-from agent.samples import Batch, Labels
+from kvpressure.agent.capacity.knee import KneeHistogram
+from kvpressure.agent.capacity.kvbytes import DTYPE_BYTES, KVShape, ModelShapeError, load_shape
+from kvpressure.agent.logs import LogOnce
+from kvpressure.agent.pipeline import Context, Plan, Sampler, Stage, register
+from kvpressure.agent.samples import Batch, Labels
 
 if TYPE_CHECKING:
-    from agent.config import Config
-    from agent.requests.record import RequestRecord, RequestStream
-    from agent.state import AgentState
+    from kvpressure.agent.config import Config
+    from kvpressure.agent.requests.record import RequestRecord, RequestStream
+    from kvpressure.agent.state import AgentState
 
 log = logging.getLogger(__name__)
 

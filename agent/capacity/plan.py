@@ -45,8 +45,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agent.capacity.knee import BandStats, band_bounds, band_of, stats_from_samples
-from agent.capacity.kvbytes import KVShape, fmt_bytes
+from kvpressure.agent.capacity.knee import BandStats, band_bounds, band_of, stats_from_samples
+from kvpressure.agent.capacity.kvbytes import KVShape, fmt_bytes
 
 GIB = 1024**3
 
@@ -261,7 +261,7 @@ def live_from_snapshot(snap: Mapping[str, Any], engine: str | None = None) -> Li
     hits = total("kvpressure_engine_prefix_cache_hit_tokens_total") or 0.0
     rate = None
     if p_sec and p_tok:
-        from agent.capacity.live import PROMPT_INCLUDES_HITS
+        from kvpressure.agent.capacity.live import PROMPT_INCLUDES_HITS
 
         computed = p_tok - (hits if (etype or "") in PROMPT_INCLUDES_HITS else 0.0)
         rate = p_sec / computed if computed > 0 else None
@@ -293,7 +293,7 @@ def llamacpp_gguf(live: LiveFacts, timeout_s: float = 3.0) -> str | None:
     """
     if live.engine_type != "llamacpp":
         return None
-    from agent.capacity.live import llamacpp_gguf_path
+    from kvpressure.agent.capacity.live import llamacpp_gguf_path
 
     return llamacpp_gguf_path(live.model, live.instance, timeout_s)
 
@@ -322,10 +322,10 @@ def local_cxl_free(sysfs_root: str = "/sys", procfs_root: str = "/proc") -> floa
     """
     import logging
 
-    from agent.samplers.host import HostSampler
-    from agent.samples import Batch
+    from kvpressure.agent.samplers.host import HostSampler
+    from kvpressure.agent.samples import Batch
 
-    host_log = logging.getLogger("agent.samplers.host")
+    host_log = logging.getLogger("kvpressure.agent.samplers.host")
     level = host_log.level
     host_log.setLevel(logging.CRITICAL)  # one-shot read: the sampler's hints are for the agent
     try:
@@ -785,7 +785,7 @@ def weights_for(path: str | Path) -> tuple[float, str] | None:
         data = json.loads(cfg.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    from agent.capacity.kvbytes import estimate_hf_weights_bytes
+    from kvpressure.agent.capacity.kvbytes import estimate_hf_weights_bytes
 
     return estimate_hf_weights_bytes(data) if isinstance(data, Mapping) else None
 
@@ -806,7 +806,7 @@ def run_plan(args: Any) -> int:
     import json
     import sys
 
-    from agent.capacity.kvbytes import ModelShapeError, flat_shape, load_shape
+    from kvpressure.agent.capacity.kvbytes import ModelShapeError, flat_shape, load_shape
 
     def fail(msg: str, code: int = 1) -> int:
         print(f"kvpressure plan: {msg}", file=sys.stderr)

@@ -21,10 +21,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Final, Protocol
 
-from agent import catalogue
-from agent.pipeline import Context, Plan, Sampler, Stage, register
-from agent.requests.record import OUTCOMES, RequestRecord, RequestStream
-from agent.samples import Batch
+from kvpressure.agent import catalogue
+from kvpressure.agent.pipeline import Context, Plan, Sampler, Stage, register
+from kvpressure.agent.requests.record import OUTCOMES, RequestRecord, RequestStream
+from kvpressure.agent.samples import Batch
 
 LATENCY_METRIC: Final = catalogue.REQUEST_LATENCY_SECONDS
 REQUESTS_METRIC: Final = catalogue.REQUESTS_TOTAL

@@ -75,10 +75,10 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
 
-from agent import catalogue
-from agent.requests.metrics import MAX_ENGINES, LabelCap
-from agent.requests.record import RequestRecord, RequestStream
-from agent.samples import Batch, Sample
+from kvpressure.agent import catalogue
+from kvpressure.agent.requests.metrics import MAX_ENGINES, LabelCap
+from kvpressure.agent.requests.record import RequestRecord, RequestStream
+from kvpressure.agent.samples import Batch, Sample
 
 log = logging.getLogger(__name__)
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from agent.config import Config
-from agent.requests.proxy import RequestProxy
-from agent.requests.record import RequestStream
+from kvpressure.agent.config import Config
+from kvpressure.agent.requests.proxy import RequestProxy
+from kvpressure.agent.requests.record import RequestStream
 
 log = logging.getLogger(__name__)
 

@@ -56,14 +56,14 @@ from aiohttp import ClientRequest, web
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
-from agent.listener import (
+from kvpressure.agent.listener import (
     IDLE_TIMEOUT_S,
     MAX_CONNECTIONS,
     BoundedSite,
     ConnectionCap,
     ServerLog,
 )
-from agent.requests.record import MAX_ITL_GAPS, Outcome, RequestRecord, RequestStream
+from kvpressure.agent.requests.record import MAX_ITL_GAPS, Outcome, RequestRecord, RequestStream
 
 if TYPE_CHECKING:
     from aiohttp.client_proto import ResponseHandler

@@ -60,11 +60,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Final
 
-from agent import catalogue as m
-from agent.logs import LogOnce
-from agent.pipeline import Context, Plan, Sampler, Stage, register
-from agent.samples import Batch, Labels, Sample, SourceStatus, make_labels
-from agent.state import SamplerReport
+from kvpressure.agent import catalogue as m
+from kvpressure.agent.logs import LogOnce
+from kvpressure.agent.pipeline import Context, Plan, Sampler, Stage, register
+from kvpressure.agent.samples import Batch, Labels, Sample, SourceStatus, make_labels
+from kvpressure.agent.state import SamplerReport
 
 log = logging.getLogger(__name__)
 

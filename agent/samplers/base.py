@@ -6,7 +6,7 @@ for the samplers.
 
 from __future__ import annotations
 
-from agent.logs import LogOnce
-from agent.pipeline import Sampler
+from kvpressure.agent.logs import LogOnce
+from kvpressure.agent.pipeline import Sampler
 
 __all__ = ["LogOnce", "Sampler"]

@@ -118,14 +118,14 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Final, Literal
 
-from agent import catalogue
-from agent.catalogue import SampleName
-from agent.kube import PodRef
-from agent.logs import LogOnce
-from agent.pipeline import Context, Plan, Stage, register
-from agent.samplers import nvml_binding as nb
-from agent.samplers.base import Sampler
-from agent.samplers.gpu_devices import (
+from kvpressure.agent import catalogue
+from kvpressure.agent.catalogue import SampleName
+from kvpressure.agent.kube import PodRef
+from kvpressure.agent.logs import LogOnce
+from kvpressure.agent.pipeline import Context, Plan, Stage, register
+from kvpressure.agent.samplers import nvml_binding as nb
+from kvpressure.agent.samplers.base import Sampler
+from kvpressure.agent.samplers.gpu_devices import (
     COHERENT_MEMORY_PARTS,
     COHERENT_TOTAL_SHARE,
     DROP_REASONS,
@@ -140,17 +140,17 @@ from agent.samplers.gpu_devices import (
     _skips,
     is_unified_total,
 )
-from agent.samplers.gpu_nvml import _NvmlMixin
-from agent.samplers.gpu_procs import (
+from kvpressure.agent.samplers.gpu_nvml import _NvmlMixin
+from kvpressure.agent.samplers.gpu_procs import (
     ANCESTOR_DEPTH,
     NSPID_RESCAN_S,
     _kernel_module_version,
     _meminfo,
     nspid_index,
 )
-from agent.samplers.gpu_workers import _Backoff, _Job, _Pass, _Worker
-from agent.samplers.gpu_xid import XID_DRAIN_MAX
-from agent.samples import Batch, Labels, Sample, make_labels
+from kvpressure.agent.samplers.gpu_workers import _Backoff, _Job, _Pass, _Worker
+from kvpressure.agent.samplers.gpu_xid import XID_DRAIN_MAX
+from kvpressure.agent.samples import Batch, Labels, Sample, make_labels
 
 __all__ = [
     "ANCESTOR_DEPTH",
@@ -819,7 +819,7 @@ def _plan(ctx: Context) -> list[Plan]:
     spec = ("gpu", cfg.gpu, interval)  # GpuConfig is frozen: hashable
 
     def build() -> GpuSampler:
-        from agent.podresources import make_client
+        from kvpressure.agent.podresources import make_client
 
         socket = cfg.gpu.pod_resources_socket
         return GpuSampler(

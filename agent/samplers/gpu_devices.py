@@ -13,13 +13,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
-from agent.kube import PodRef
-from agent.logs import LogOnce
-from agent.samplers import nvml_binding as nb
-from agent.samplers.gpu_workers import _Backoff, _Job
-from agent.samples import Labels, Sample, make_labels
+from kvpressure.agent.kube import PodRef
+from kvpressure.agent.logs import LogOnce
+from kvpressure.agent.samplers import nvml_binding as nb
+from kvpressure.agent.samplers.gpu_workers import _Backoff, _Job
+from kvpressure.agent.samples import Labels, Sample, make_labels
 
-log = logging.getLogger("agent.samplers.gpu")
+log = logging.getLogger("kvpressure.agent.samplers.gpu")
 
 REPROBE_S: Final = 60.0
 """Seconds before a field found unsupported is asked for again."""

@@ -13,9 +13,9 @@ import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from agent.kube import pod_of_pid
-from agent.samplers import nvml_binding as nb
-from agent.samplers.gpu_devices import (
+from kvpressure.agent.kube import pod_of_pid
+from kvpressure.agent.samplers import nvml_binding as nb
+from kvpressure.agent.samplers.gpu_devices import (
     PID_MAX_LIMIT,
     REFRESH_S,
     REPROBE_S,
@@ -28,10 +28,10 @@ from agent.samplers.gpu_devices import (
     _skips,
     is_unified_total,
 )
-from agent.samplers.gpu_procs import _meminfo
-from agent.samplers.gpu_xid import _XidMixin
+from kvpressure.agent.samplers.gpu_procs import _meminfo
+from kvpressure.agent.samplers.gpu_xid import _XidMixin
 
-log = logging.getLogger("agent.samplers.gpu")
+log = logging.getLogger("kvpressure.agent.samplers.gpu")
 
 
 class _NvmlMixin(_XidMixin):

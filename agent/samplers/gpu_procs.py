@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Final
 
-from agent.samplers.gpu_devices import _GpuState
+from kvpressure.agent.samplers.gpu_devices import _GpuState
 
 ANCESTOR_DEPTH: Final = 8
 """Parent PIDs walked when joining a GPU process to an engine."""

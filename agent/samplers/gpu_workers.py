@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from agent.samplers.gpu_devices import _Gpu, _GpuReading
+    from kvpressure.agent.samplers.gpu_devices import _Gpu, _GpuReading
 
 
 class _Job:

@@ -12,11 +12,11 @@ import time
 from collections import Counter
 from typing import Any, Final
 
-from agent.samplers import nvml_binding as nb
-from agent.samplers.gpu_devices import _Gpu
-from agent.samplers.gpu_procs import _ProcsMixin
-from agent.samplers.gpu_workers import _Job
-from agent.samples import Batch
+from kvpressure.agent.samplers import nvml_binding as nb
+from kvpressure.agent.samplers.gpu_devices import _Gpu
+from kvpressure.agent.samplers.gpu_procs import _ProcsMixin
+from kvpressure.agent.samplers.gpu_workers import _Job
+from kvpressure.agent.samples import Batch
 
 XID_DRAIN_MAX: Final = 256
 """Most XID events read per cycle."""

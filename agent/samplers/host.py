@@ -44,9 +44,9 @@ from collections.abc import Callable, Container
 from dataclasses import dataclass
 from typing import TypeVar
 
-from agent.pipeline import Context, Plan, Stage, register
-from agent.samplers.base import LogOnce, Sampler
-from agent.samples import Batch
+from kvpressure.agent.pipeline import Context, Plan, Stage, register
+from kvpressure.agent.samplers.base import LogOnce, Sampler
+from kvpressure.agent.samples import Batch
 
 log = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, Final
 
-from agent.samplers.base import LogOnce
+from kvpressure.agent.samplers.base import LogOnce
 
 try:  # nvidia-ml-py is a declared dependency, but a missing package must not break the agent
     import pynvml as _pynvml
@@ -622,7 +622,7 @@ def bind(spec: str = "nvml", **fake_options: Any) -> NvmlBinding:
             raise ValueError("options are only accepted by fake bindings")
         return NvmlBinding(_pynvml, "nvml")
     if spec.startswith("fake:"):
-        from agent.samplers.fake_nvml import FakeNvml
+        from kvpressure.agent.samplers.fake_nvml import FakeNvml
 
         profile = spec.removeprefix("fake:")
         return NvmlBinding(FakeNvml.from_profile(profile, **fake_options), spec)

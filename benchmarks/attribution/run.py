@@ -63,7 +63,7 @@ from typing import Any
 import httpx
 import yaml
 
-from agent.api import MAX_ATTRIBUTIONS_LIMIT
+from kvpressure.agent.api import MAX_ATTRIBUTIONS_LIMIT
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "e2e"))
@@ -260,7 +260,7 @@ class Bench:
         }
         path = self.work / "kvpressure.yaml"
         path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-        err = (self.work / "agent.log").open("ab")
+        err = (self.work / "kvpressure.agent.log").open("ab")
         self.agent = subprocess.Popen(
             es.agent_argv(path),
             cwd=ROOT,
@@ -700,7 +700,7 @@ def emit(
     """Print the report and ``kvpressure explain`` over the run; write ``json_path`` (the
     results, the explain document, whether the targets were met, and ``extra``)."""
     print(text)
-    from agent.attribution.explain import render
+    from kvpressure.agent.attribution.explain import render
 
     print("\nkvpressure explain over the whole run:\n")
     print(render(doc))

@@ -97,7 +97,7 @@ from typing import Any
 import httpx
 import yaml
 
-from agent.api import MAX_ATTRIBUTIONS_LIMIT
+from kvpressure.agent.api import MAX_ATTRIBUTIONS_LIMIT
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -288,9 +288,9 @@ class Bench:
         path = self.work / "kvpressure.yaml"
         path.write_text(yaml.safe_dump(cfg, sort_keys=False))
         script = Path(sys.executable).parent / "kvpressure"
-        cli = [str(script)] if script.is_file() else [sys.executable, "-m", "agent.cli"]
+        cli = [str(script)] if script.is_file() else [sys.executable, "-m", "kvpressure.agent.cli"]
         argv = [*cli, "run", "--config", str(path)]
-        logf = self.work / "agent.log"
+        logf = self.work / "kvpressure.agent.log"
         with logf.open("wb") as out:
             self.agent = subprocess.Popen(
                 argv,

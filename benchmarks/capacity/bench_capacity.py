@@ -55,11 +55,11 @@ sys.path.insert(0, str(ROOT))
 
 from e2e_support import LlamaAssets, LlamaServer, find_llama_assets, free_port  # noqa: E402
 
-from agent.capacity.live import CapacitySampler  # noqa: E402
-from agent.samplers.engines import make_engine_sampler  # noqa: E402
-from agent.samples import Batch  # noqa: E402
-from agent.state import AgentState, SamplerReport  # noqa: E402
-from agent.timeline import Timeline  # noqa: E402
+from kvpressure.agent.capacity.live import CapacitySampler  # noqa: E402
+from kvpressure.agent.samplers.engines import make_engine_sampler  # noqa: E402
+from kvpressure.agent.samples import Batch  # noqa: E402
+from kvpressure.agent.state import AgentState, SamplerReport  # noqa: E402
+from kvpressure.agent.timeline import Timeline  # noqa: E402
 
 WORDS = [
     *("river", "stone", "lantern", "orchard", "velvet", "harbor", "meadow", "copper"),
@@ -133,7 +133,7 @@ def probe(agent: InProcessAgent, t0: float) -> dict[str, float | None]:
     ran; ``footprint``: the capacity sampler's per-request footprint (window peak of used /
     running); ``mean_tokens``: median of ``kvpressure_kv_request_tokens`` over the probe.
     """
-    from agent.capacity.live import engine_views
+    from kvpressure.agent.capacity.live import engine_views
 
     sat = [
         v["kvpressure_kv_saturation_concurrency"]

@@ -85,7 +85,7 @@ def main() -> int:
                     t.join()
             time.sleep(2 * AGENT_INTERVAL_S + 0.5)
             cmd = [
-                sys.executable, "-m", "agent.cli", "plan", "--agent", agent.url,
+                sys.executable, "-m", "kvpressure.agent.cli", "plan", "--agent", agent.url,
                 "--gguf", str(assets.model), "--context", "256,512,1k", "--concurrency", "4",
                 "--output-tokens", "64",
             ]  # fmt: skip

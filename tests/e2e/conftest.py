@@ -79,7 +79,7 @@ def make_agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..
             port,
             [{"name": "llamacpp", "type": "llamacpp", "url": server.url}],
         )
-        agent = Agent(config=cfg, port=port, stderr=d / "agent.stderr")
+        agent = Agent(config=cfg, port=port, stderr=d / "kvpressure.agent.stderr")
         started.append(agent)
         agent.start()
         return agent

@@ -289,7 +289,7 @@ def agent_argv(config: Path) -> list[str]:
     return [
         sys.executable,
         "-c",
-        "import sys; from agent.cli import main; sys.exit(main())",
+        "import sys; from kvpressure.agent.cli import main; sys.exit(main())",
         "run",
         "--config",
         str(config),

@@ -37,7 +37,8 @@ def _kvpressure() -> list[str]:
     script = Path(sys.executable).parent / "kvpressure"
     if script.is_file():
         return [str(script)]
-    return [sys.executable, "-c", "import sys; from agent.cli import main; sys.exit(main())"]
+    code = "import sys; from kvpressure.agent.cli import main; sys.exit(main())"
+    return [sys.executable, "-c", code]
 
 
 def _out_dir(tmp: Path) -> Path:
@@ -93,9 +94,9 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
         ],
         "attribution": {"slo_ttft_s": SLO_TTFT_S},
     }
-    cfg = tmp / "agent.yaml"
+    cfg = tmp / "kvpressure.agent.yaml"
     cfg.write_text(yaml.safe_dump(config, sort_keys=False))
-    agent = Agent(cfg, agent_port, tmp / "agent.log")
+    agent = Agent(cfg, agent_port, tmp / "kvpressure.agent.log")
     try:
         wait_http_ok(f"{engine_url}/metrics", 20, engine)
         agent.start()

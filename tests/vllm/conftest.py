@@ -72,10 +72,10 @@ def agent(vllm_server: VllmServer, tmp_path_factory: pytest.TempPathFactory) -> 
     }
     path = d / "kvpressure.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    log = d / "agent.log"
+    log = d / "kvpressure.agent.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "agent.cli", "run", "--config", str(path)],
+            [sys.executable, "-m", "kvpressure.agent.cli", "run", "--config", str(path)],
             stdout=out,
             stderr=subprocess.STDOUT,
             cwd=REPO_ROOT,

@@ -146,7 +146,7 @@ class VllmServer:
 
 @dataclass
 class Agent:
-    """The kvpressure agent as a subprocess (``python -m agent.cli run``)."""
+    """The kvpressure agent as a subprocess (``python -m kvpressure.agent.cli run``)."""
 
     url: str
     proc: subprocess.Popen[bytes]

@@ -20,15 +20,15 @@ from collections.abc import Callable, Mapping
 
 import httpx
 
-from agent.pipeline import Context, Plan, Stage, register
-from agent.samplers.engines.base import (
+from kvpressure.agent.pipeline import Context, Plan, Stage, register
+from kvpressure.agent.samplers.engines.base import (
     AUTO,
     EngineSampler,
     engine_type_from_families,
     probe,
 )
-from agent.samplers.engines.normalize import EngineMapping, Rule
-from agent.samplers.engines.registry import ENGINE_TYPES
+from kvpressure.agent.samplers.engines.normalize import EngineMapping, Rule
+from kvpressure.agent.samplers.engines.registry import ENGINE_TYPES
 
 __all__ = [
     "AUTO",

@@ -40,16 +40,16 @@ from typing import Final
 
 import httpx
 
-from agent.logs import RateLimitedLog
-from agent.samplers.base import LogOnce, Sampler
-from agent.samplers.engines.exposition import (
+from kvpressure.agent.logs import RateLimitedLog
+from kvpressure.agent.samplers.base import LogOnce, Sampler
+from kvpressure.agent.samplers.engines.exposition import (
     REASON_EMPTY,
     ParseResult,
     classify_response,
     failed,
 )
-from agent.samplers.engines.http import Fetch, HttpResult, http_get
-from agent.samplers.engines.normalize import (
+from kvpressure.agent.samplers.engines.http import Fetch, HttpResult, http_get
+from kvpressure.agent.samplers.engines.normalize import (
     MERGE_DUPLICATE,
     MERGE_PER_PROCESS,
     AddonContext,
@@ -57,9 +57,9 @@ from agent.samplers.engines.normalize import (
     EngineMapping,
     Normalizer,
 )
-from agent.samplers.engines.registry import DETECTION_FALLBACK, ENGINE_TYPES
-from agent.samplers.engines.staleness import STALE, StaleTracker
-from agent.samples import Batch, Sample, make_labels
+from kvpressure.agent.samplers.engines.registry import DETECTION_FALLBACK, ENGINE_TYPES
+from kvpressure.agent.samplers.engines.staleness import STALE, StaleTracker
+from kvpressure.agent.samples import Batch, Sample, make_labels
 
 log = logging.getLogger(__name__)
 

@@ -60,7 +60,7 @@ for it; LMCache exports no tier capacity (``state=total``).
 
 from __future__ import annotations
 
-from agent.samplers.engines.normalize import RATIO, Combine, EngineMapping, Rule
+from kvpressure.agent.samplers.engines.normalize import RATIO, Combine, EngineMapping, Rule
 
 TIER_BYTES = "kvpressure_memory_tier_bytes"
 TIER_HITS = "kvpressure_engine_prefix_cache_tier_hit_tokens_total"

@@ -45,10 +45,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
 
-from agent.catalogue import SampleName
-from agent.samplers.base import LogOnce
-from agent.samplers.engines.http import HttpResult
-from agent.samplers.engines.normalize import (
+from kvpressure.agent.catalogue import SampleName
+from kvpressure.agent.samplers.base import LogOnce
+from kvpressure.agent.samplers.engines.http import HttpResult
+from kvpressure.agent.samplers.engines.normalize import (
     RATIO,
     AddonContext,
     EngineAddon,

@@ -97,8 +97,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Final, Literal
 
-from agent.catalogue import SampleName
-from agent.histograms import (
+from kvpressure.agent.catalogue import SampleName
+from kvpressure.agent.histograms import (
     DEFAULT_MIN_COUNT,
     DEFAULT_WINDOW_S,
     GENAI_REQUEST_DURATION_BOUNDS_S,
@@ -111,11 +111,11 @@ from agent.histograms import (
     sum_windows,
     window_quantile,
 )
-from agent.logs import RateLimitedLog
-from agent.samplers.base import LogOnce
-from agent.samplers.engines.exposition import ParsedFamily, ParseResult, wanted_families
-from agent.samplers.engines.http import Fetch
-from agent.samples import Batch, Sample, make_labels
+from kvpressure.agent.logs import RateLimitedLog
+from kvpressure.agent.samplers.base import LogOnce
+from kvpressure.agent.samplers.engines.exposition import ParsedFamily, ParseResult, wanted_families
+from kvpressure.agent.samplers.engines.http import Fetch
+from kvpressure.agent.samples import Batch, Sample, make_labels
 
 log = logging.getLogger(__name__)
 

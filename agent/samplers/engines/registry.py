@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Final
 
-from agent.samplers.engines import kvtiers, llamacpp, sglang, tgi, triton, trtllm, vllm
-from agent.samplers.engines.normalize import EngineMapping
+from kvpressure.agent.samplers.engines import kvtiers, llamacpp, sglang, tgi, triton, trtllm, vllm
+from kvpressure.agent.samplers.engines.normalize import EngineMapping
 
 ENGINE_TYPES: Final[dict[str, EngineMapping]] = {
     "vllm": vllm.MAPPING,

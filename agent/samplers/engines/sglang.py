@@ -50,8 +50,8 @@ LMCache and KVBM tier rules (:mod:`.kvtiers`) are appended.
 
 from __future__ import annotations
 
-from agent.samplers.engines import kvtiers
-from agent.samplers.engines.normalize import RATIO, EngineMapping, Rule, latency
+from kvpressure.agent.samplers.engines import kvtiers
+from kvpressure.agent.samplers.engines.normalize import RATIO, EngineMapping, Rule, latency
 
 MAPPING = EngineMapping(
     engine_type="sglang",

@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Final
 
-from agent.samples import Sample
+from kvpressure.agent.samples import Sample
 
 STALE: Final = "kvpressure_engine_stats_stale"
 TOKEN_COUNTERS: Final = (

@@ -34,7 +34,7 @@ TTFT, preemptions, prefix-cache reuse, per-request prefill/decode durations.
 
 from __future__ import annotations
 
-from agent.samplers.engines.normalize import EngineMapping, Rule, latency
+from kvpressure.agent.samplers.engines.normalize import EngineMapping, Rule, latency
 
 MAPPING = EngineMapping(
     engine_type="tgi",

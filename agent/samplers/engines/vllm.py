@@ -93,8 +93,8 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
-from agent.samplers.engines import kvtiers
-from agent.samplers.engines.normalize import (
+from kvpressure.agent.samplers.engines import kvtiers
+from kvpressure.agent.samplers.engines.normalize import (
     RATIO,
     Derived,
     EngineMapping,

@@ -33,7 +33,7 @@ from typing import Any
 
 import yaml
 
-from agent.samplers import nvml_binding as nb
+from kvpressure.agent.samplers import nvml_binding as nb
 
 MIB = 1024 * 1024
 """Bytes per MiB (nvidia-smi and the profiles count memory in MiB)."""

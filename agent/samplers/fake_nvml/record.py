@@ -27,8 +27,8 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-from agent.samplers import nvml_binding as nb
-from agent.samplers.fake_nvml import ARCHITECTURES, MIB
+from kvpressure.agent.samplers import nvml_binding as nb
+from kvpressure.agent.samplers.fake_nvml import ARCHITECTURES, MIB
 
 _ARCH_NAMES = {v: k for k, v in ARCHITECTURES.items()}
 
@@ -176,8 +176,8 @@ def _rates(
     binding: nb.NvmlBinding, seconds: float, sleep: Callable[[float], None]
 ) -> dict[str, dict[str, Any]]:
     """GPM, PCIe and NVLink rates per GPU uuid, measured by the GPU sampler over ``seconds``."""
-    from agent.samplers.gpu import SLOW_INTERVAL_S, GpuSampler
-    from agent.samples import Batch
+    from kvpressure.agent.samplers.gpu import SLOW_INTERVAL_S, GpuSampler
+    from kvpressure.agent.samples import Batch
 
     sampler = GpuSampler(binding, interval_s=seconds, gpu_timeout_s=0)
     first, second = Batch(), Batch()
