@@ -361,3 +361,28 @@ def test_the_cap_yields_to_a_shortage_that_slows_the_engine():
     assert primary_cause(scores, 0.3) == "memory"
     assert primary_cause({"memory": 0.2, "concurrency": 0.8}, 0.3) == "concurrency"
     assert primary_cause({"concurrency": 0.2}, 0.3) == "unknown"
+
+
+def test_a_short_slow_phase_is_read_over_at_least_a_few_engine_samples():
+    """A request that queued 0.8 s during a preemption storm: its own span holds one engine
+    sample, too few to show the storm; the evidence is read over at least MIN_SCOPE_S."""
+    from kvpressure.agent.attribution.detector import PhaseVerdict, Verdict
+    from kvpressure.agent.attribution.engine import MIN_SCOPE_S
+
+    eng = {"engine": "vllm", "instance": "h:1", "model": "m"}
+    up = [(T + k, 1.0) for k in range(-30, 31)]
+    # preemptions: +4 at T-2, none after
+    pre = [(T + k, 100.0 + (4.0 if k >= -2 else 0.0)) for k in range(-30, 31)]
+    sig = Signals.from_points(
+        {
+            "kvpressure_engine_up": {make_labels({"engine": "vllm", "instance": "h:1"}): up},
+            "kvpressure_engine_preemptions_total": {make_labels(eng): pre},
+        }
+    )
+    record = RequestRecord(source="otlp", engine="vllm", start=T - 0.5, end=T + 3.0,
+                           ttft_s=0.9, e2e_s=3.5, queue_s=0.8)  # fmt: skip
+    phase = PhaseVerdict("queue", 0.8, 0.2, "baseline", 0.01, None, T - 0.5, T + 0.3)
+    verdict = Verdict(True, "queue", 0.8, 0.2, "baseline", (phase,), T - 0.5, T + 0.3)
+    assert MIN_SCOPE_S >= 3.0
+    att = Attributor(Params(), lead_in_s=0.0).attribute_request(sig, record, verdict)
+    assert att.cause == "memory", att.scores

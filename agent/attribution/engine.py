@@ -57,6 +57,11 @@ def primary_cause(scores: Mapping[str, float], min_score: float) -> str:
     return UNKNOWN
 
 
+MIN_SCOPE_S = 5.0
+"""Shortest span a slow request's evidence is read over, seconds (before the lead-in): five
+engine scrapes at the default 1 s interval."""
+
+
 class Attributor:
     """Scores slow requests and windows against the timeline.
 
@@ -81,7 +86,8 @@ class Attributor:
         """Attribute one slow request over the time span of its slow phase(s).
 
         The scope read is ``[verdict.start - lead_in_s, verdict.end]`` (the request's
-        ``[start - lead_in_s, end]`` when the verdict has no span).
+        ``[start - lead_in_s, end]`` when the verdict has no span), its start moved back so
+        that it spans at least :data:`MIN_SCOPE_S` before the lead-in.
 
         Args:
             sig: timeline signals covering the scope.
@@ -91,6 +97,10 @@ class Attributor:
         """
         a = record.start if verdict.start is None else verdict.start
         b = record.end if verdict.end is None else verdict.end
+        # a phase shorter than a few engine samples holds too few of them to show its
+        # cause (a request that queued 0.8 s during a preemption storm): read at least
+        # MIN_SCOPE_S, ending where the phase ends
+        a = min(a, b - MIN_SCOPE_S)
         scope = Scope(record.engine, a, b, self.lead_in_s, record, tuple(neighbours))
         scores, evidence, unassessed = evaluate(sig, scope, self.params)
         return Attribution(
