@@ -199,17 +199,22 @@ def stale_timeline(stale: bool) -> Timeline:
     return tl
 
 
-def test_stale_engine_statistics_are_never_evidence():
-    tl = stale_timeline(stale=True)
+def attribute_one_slow_request(stale: bool):
+    """Attribute one slow request (TTFT 4 s) over :func:`stale_timeline`."""
     store = AttributionStore()
     stream = RequestStream()
     s = AttributionSampler(
-        stream, tl, store, SlowDetector(slo_ttft_s=2.0), Attributor(Params()),
-        settle_s=1.0, clock=lambda: T + 25,
+        stream, stale_timeline(stale=stale), store, SlowDetector(slo_ttft_s=2.0),
+        Attributor(Params()), settle_s=1.0, clock=lambda: T + 25,
     )  # fmt: skip
     stream.submit(RequestRecord(ENG, T + 5, T + 10, ttft_s=4.0, e2e_s=5.0))
     s.collect(Batch())
     (a,) = store.attributions()
+    return a
+
+
+def test_stale_engine_statistics_are_never_evidence():
+    a = attribute_one_slow_request(stale=True)
     assert a.cause != "memory" and a.scores["memory"] == 0.0
     from kvpressure.agent.attribution.model import ENGINE_METRICS_STALE
 
@@ -218,16 +223,7 @@ def test_stale_engine_statistics_are_never_evidence():
 
 
 def test_fresh_statistics_still_count():
-    tl = stale_timeline(stale=False)
-    store = AttributionStore()
-    stream = RequestStream()
-    s = AttributionSampler(
-        stream, tl, store, SlowDetector(slo_ttft_s=2.0), Attributor(Params()),
-        settle_s=1.0, clock=lambda: T + 25,
-    )  # fmt: skip
-    stream.submit(RequestRecord(ENG, T + 5, T + 10, ttft_s=4.0, e2e_s=5.0))
-    s.collect(Batch())
-    (a,) = store.attributions()
+    a = attribute_one_slow_request(stale=False)
     assert a.cause == "memory"
 
 
