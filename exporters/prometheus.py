@@ -26,12 +26,25 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from prometheus_client.utils import floatToGoString as _float_to_go
 
 from kvpressure.agent.catalogue import CATALOGUE
+from kvpressure.agent.catalogue import Metric as CatalogueMetric
 from kvpressure.agent.samples import Sample
 from kvpressure.agent.state import AgentState
 
 log = logging.getLogger(__name__)
 
 _PROM_TYPE = {"gauge": "gauge", "counter": "counter", "histogram": "histogram", "info": "gauge"}
+
+
+def _family(name: str, metric: CatalogueMetric) -> tuple[str, str, str]:
+    """Return ``(type, family name, unit)`` of catalogue entry ``name`` as exposed.
+
+    A counter's family drops ``_total``; the unit is declared only when the family name
+    ends with it (OpenMetrics), else it is ``""``.
+    """
+    typ = _PROM_TYPE[metric.kind]
+    family = name.removesuffix("_total") if typ == "counter" else name
+    unit = metric.unit if metric.unit and family.endswith("_" + metric.unit) else ""
+    return typ, family, unit
 
 
 def families(samples: Iterable[Sample], on_unknown: object = None) -> Iterator[Metric]:
@@ -59,9 +72,7 @@ def families(samples: Iterable[Sample], on_unknown: object = None) -> Iterator[M
         series = grouped.get(name)
         if not series:
             continue
-        typ = _PROM_TYPE[metric.kind]
-        family_name = name.removesuffix("_total") if typ == "counter" else name
-        unit = metric.unit if family_name.endswith("_" + metric.unit) else ""
+        typ, family_name, unit = _family(name, metric)
         fam = Metric(family_name, metric.help, typ, unit)
         for (sample_name, labels), value in series.items():
             fam.add_sample(sample_name, dict(labels), value)
@@ -269,15 +280,14 @@ class Encoder:
             series = grouped.get(name)
             if not series:
                 continue
-            typ = _PROM_TYPE[metric.kind]
-            family = name.removesuffix("_total") if typ == "counter" else name
+            typ, family, unit = _family(name, metric)
             if not _LEGACY_LABEL_NAME.fullmatch(family):
                 return None
             if openmetrics:
                 out.append(f"# HELP {family} {_escape_value(metric.help)}\n")
                 out.append(f"# TYPE {family} {typ}\n")
-                if family.endswith("_" + metric.unit) and metric.unit:
-                    out.append(f"# UNIT {family} {metric.unit}\n")
+                if unit:
+                    out.append(f"# UNIT {family} {unit}\n")
             else:
                 mname = family + "_total" if typ == "counter" else family
                 doc = metric.help.replace("\\", r"\\").replace("\n", r"\n")
