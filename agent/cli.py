@@ -101,6 +101,10 @@ def _cmd_check_config(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return 1
+    from kvpressure.agent import pipeline
+
+    for msg in pipeline.starved(cfg):
+        print(f"{args.file}: warning: {msg}", file=sys.stderr)
     print(
         f"{args.file}: ok ({len(cfg.engines)} engine(s), {len(cfg.proxies)} prox"
         f"{'y' if len(cfg.proxies) == 1 else 'ies'}, listen {cfg.listen})"
@@ -385,7 +389,13 @@ def _write_html(args: argparse.Namespace, doc: dict[str, Any]) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """Return the argument parser of the ``kvpressure`` command."""
-    p = argparse.ArgumentParser(prog="kvpressure", description=__doc__)
+    p = argparse.ArgumentParser(
+        prog="kvpressure",
+        description="Memory-pressure observability for LLM inference: samples GPU, host and "
+        "engine memory, KV occupancy and request latency, and explains slow requests.",
+        epilog="Exit codes: 0 success; 1 invalid config, or no agent answering; 2 usage error. "
+        "Start with: kvpressure run (embedded default config), then kvpressure status.",
+    )
     p.add_argument("--version", action="version", version=f"kvpressure {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 

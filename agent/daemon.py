@@ -259,6 +259,7 @@ class Daemon:
         logs.set_level(new.log_level)
         if self.api_cap is not None:
             self.api_cap.max_connections = new.max_connections
+        pipeline.warn_starved(new)
         self._apply(new)
         otlp = new.otlp_receiver
         self.otlp_receiver.configure(
@@ -338,6 +339,7 @@ class Daemon:
         if not self._stopping.is_set():
             await self._proxies.apply(self.config)
         if not self._stopping.is_set():
+            pipeline.warn_starved(self.config)
             self._apply(self.config)
         tasks = [
             asyncio.create_task(self._discovery_loop()),

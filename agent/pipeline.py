@@ -28,6 +28,7 @@ from __future__ import annotations
 import abc
 import enum
 import importlib
+import logging
 import threading
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -41,6 +42,8 @@ if TYPE_CHECKING:
     from kvpressure.agent.config import Config, EngineConfig
     from kvpressure.agent.requests.record import RequestStream
     from kvpressure.agent.state import AgentState
+
+log = logging.getLogger(__name__)
 
 MODULES: Final = (
     "kvpressure.agent.samplers.host",
@@ -228,6 +231,35 @@ def enabled(config: Config, name: str) -> bool:
     if toggle is None:
         return registry()[name].default_enabled
     return bool(toggle.enabled)
+
+
+def starved(config: Config) -> list[str]:
+    """Derived stages ``config`` enables whose every input source it disables.
+
+    Such a stage never runs (no source reports to it): a config that turns the
+    ``gpu`` source off also silences ``accelerator``. The daemon logs these at every config
+    it adopts and ``check-config`` prints them, so the silence is never a surprise.
+
+    Returns:
+        One message per starved stage, naming the keys to change; empty when none.
+    """
+    out = []
+    for reg in registry().values():
+        if not reg.after or not enabled(config, reg.name):
+            continue
+        if not any(enabled(config, src) for src in reg.after):
+            srcs = " and ".join(f"samplers.{s}" for s in reg.after)
+            out.append(
+                f"samplers.{reg.name} is enabled but will not run: its input {srcs} "
+                f"{'is' if len(reg.after) == 1 else 'are'} disabled"
+            )
+    return out
+
+
+def warn_starved(config: Config) -> None:
+    """Log one warning per :func:`starved` stage of ``config``."""
+    for msg in starved(config):
+        log.warning(msg)
 
 
 @dataclass(frozen=True, slots=True)

@@ -313,3 +313,32 @@ def test_the_accelerator_is_unsupported_where_the_gpu_sampler_is():
         ("gpu", "unsupported", "library_not_found")
     ]
     assert b.samples == []
+
+
+def test_a_derived_stage_whose_sources_are_all_off_is_reported_not_silent(tmp_path, caplog):
+    assert pipeline.starved(parse("{}\n")) == []
+    cfg = parse("samplers: {gpu: {enabled: false}}\n")
+    msgs = pipeline.starved(cfg)
+    assert msgs == [
+        "samplers.accelerator is enabled but will not run: its input samplers.gpu is disabled"
+    ]
+    # turning the derived stage off too is a consistent config: nothing to say
+    assert (
+        pipeline.starved(
+            parse("samplers: {gpu: {enabled: false}, accelerator: {enabled: false}}\n")
+        )
+        == []
+    )
+    with caplog.at_level(logging.WARNING, logger="kvpressure.agent.pipeline"):
+        pipeline.warn_starved(cfg)
+    assert [r.getMessage() for r in caplog.records] == msgs
+    # check-config says it too, and still accepts the file
+    import subprocess
+    import sys
+
+    f = tmp_path / "c.yaml"
+    f.write_text("samplers:\n  gpu:\n    enabled: false\n")
+    r = subprocess.run([sys.executable, "-m", "kvpressure", "check-config", str(f)],
+                       capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "warning: samplers.accelerator is enabled but will not run" in r.stderr
