@@ -102,9 +102,10 @@ The sampler is split by concern: :mod:`.gpu_workers` (worker pool, back-off),
 :mod:`.gpu_devices` (per-device state), :mod:`.gpu_nvml` (discovery, MIG, reads),
 :mod:`.gpu_xid`, :mod:`.gpu_procs`; this module runs the cycle and emits the samples.
 
-The module imports only the standard library and ``agent.samplers.{base,nvml_binding,gpu_*}``
-/ ``agent.samples`` (no pydantic, httpx or aiohttp), so ``benchmarks/gpu_check.py`` runs it on a
-bare GPU machine.
+NVML comes through :mod:`.nvml_binding`, picked by :func:`.nvml_factory.bind` (the real
+library, or the fake for ``fake:<profile>``; neither imports the other, they share
+:mod:`.nvml_codes`). The module imports no pydantic, httpx or aiohttp, so
+``benchmarks/gpu_check.py`` runs it on a bare GPU machine.
 """
 
 from __future__ import annotations
@@ -150,6 +151,7 @@ from kvpressure.agent.samplers.gpu_procs import (
 )
 from kvpressure.agent.samplers.gpu_workers import _Backoff, _Job, _Pass, _Worker
 from kvpressure.agent.samplers.gpu_xid import XID_DRAIN_MAX
+from kvpressure.agent.samplers.nvml_factory import bind
 from kvpressure.agent.samples import Batch, Sample, make_labels
 
 __all__ = [
@@ -236,7 +238,7 @@ class GpuSampler(_NvmlMixin, Sampler):
         pod_names: PodNames | None = None,
     ) -> None:
         super().__init__(interval_s, timeout_s)
-        self._nv = nb.bind(binding) if isinstance(binding, str) else binding
+        self._nv = bind(binding) if isinstance(binding, str) else binding
         self.binding = self._nv
         self._engine_pids = engine_pids
         self.gpu_timeout_s = self.timeout_s / 2 if gpu_timeout_s is None else gpu_timeout_s
