@@ -1473,11 +1473,12 @@ def metric_of_sample(sample_name: str) -> Metric | None:
     return None
 
 
-def histogram_names(name: str) -> tuple[SampleName, SampleName, SampleName]:
+def histogram_names(name: HistogramName) -> tuple[SampleName, SampleName, SampleName]:
     """The ``_bucket``, ``_count`` and ``_sum`` sample names of catalogued histogram ``name``.
 
     Raises:
-        KeyError: ``name`` is not a histogram of the catalogue.
+        KeyError: ``name`` is not a histogram of the catalogue (only reachable by a caller
+            that bypasses the type checker: :data:`HistogramName` lists them all).
     """
     m = CATALOGUE.get(name)
     if m is None or m.kind != "histogram":
@@ -1816,7 +1817,21 @@ SampleName = Literal[
     "kvpressure_otlp_export_dropped_total",
     "kvpressure_otlp_export_queue_spans",
 ]
-"""A sample's name: a catalogue metric, or a histogram's ``_bucket``/``_count``/``_sum``."""
+"""A sample's name: a catalogue metric, or a histogram's ``_bucket``/``_count``/``_sum``.
+
+Every emission is typed by it (:meth:`agent.samples.Batch.add`, :class:`agent.samples.Sample`,
+the engine mapping tables' ``Rule``/``Derived``/``WindowRatio``), so a misspelt metric name is
+a ``mypy`` error, not a sample the exporter drops at run time (``tests/test_typing.py``).
+``tests/test_pipeline.py`` checks it lists exactly the catalogue's sample names, in order."""
+
+HistogramName = Literal[
+    "kvpressure_engine_request_latency_seconds",
+    "kvpressure_request_latency_seconds",
+    "kvpressure_proxy_upstream_connect_seconds",
+    "kvpressure_kv_occupancy_latency_seconds",
+]
+"""A catalogued histogram's own name (its samples are :func:`histogram_names`); checked
+against the catalogue like :data:`SampleName`."""
 
 if __name__ == "__main__":  # python -m kvpressure.agent.catalogue README.md
     import sys

@@ -258,13 +258,14 @@ def _cmd_gpu_record(args: argparse.Namespace) -> int:
 
     import yaml
 
-    from kvpressure.agent.samplers import nvml_binding as nb
+    from kvpressure.agent.samplers import nvml_codes as nc
     from kvpressure.agent.samplers.fake_nvml.record import record
+    from kvpressure.agent.samplers.nvml_factory import bind
 
     try:
-        binding = nb.bind(args.binding)
+        binding = bind(args.binding)
         profile = record(binding, seconds=args.seconds)
-    except (nb.NvmlError, OSError, ValueError) as exc:
+    except (nc.NvmlError, OSError, ValueError) as exc:
         print(f"kvpressure gpu record: {exc}", file=sys.stderr)
         return 1
     when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")

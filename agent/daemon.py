@@ -29,7 +29,7 @@ from kvpressure.agent.api import attribution_routes, make_app
 from kvpressure.agent.attribution.store import AttributionStore
 from kvpressure.agent.config import Config, ConfigError, load, read_token
 from kvpressure.agent.discovery import Discovery, Probe, engine_pids
-from kvpressure.agent.kube import EnginePods, names_from_process_rows
+from kvpressure.agent.kube import EnginePods, PodNameJoin
 from kvpressure.agent.listener import ConnectionCap, install_accept_error_handler, start_site
 from kvpressure.agent.pipeline import Sampler
 from kvpressure.agent.requests.otlp_receiver import OtlpReceiver
@@ -123,13 +123,10 @@ class Daemon:
         )
         self._export = ExportSlot(self.state)
         # Each engine's pod (its listening PID's cgroup), put on its series as labels; the
-        # names come from the GPU sampler's process rows in the state (see the report).
-        self.engine_pods = EnginePods(
-            self._engine_pids,
-            names=lambda uid: names_from_process_rows(
-                self.state.latest("kvpressure_gpu_process_memory_bytes"), uid
-            ),
-        )
+        # names are joined from each published GPU report's process rows (kube.PodNameJoin).
+        self.pod_names = PodNameJoin()
+        self.state.on_publish(self.pod_names.take)
+        self.engine_pods = EnginePods(self._engine_pids, names=self.pod_names.get)
 
     def _engine_pids(self) -> dict[int, str]:
         return engine_pids((*self.config.engines, *self._discovery.found.values()))

@@ -27,9 +27,12 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final, Literal
+from typing import TYPE_CHECKING, Final, Literal
 
 from kvpressure.agent.samples import Labels
+
+if TYPE_CHECKING:
+    from kvpressure.agent.state import SamplerReport
 
 Runtime = Literal["containerd", "cri-o", "docker"]
 
@@ -270,6 +273,52 @@ class EnginePods:
             if value:
                 out[key] = value
         return out
+
+
+class PodNameJoin:
+    """The kubelet's names of the pods on this node's GPUs, by ``pod_uid``: a derived join.
+
+    Only the GPU source's process rows (``kvpressure_gpu_process_memory_bytes``) tie a
+    ``pod_uid`` (a GPU process's ``/proc/PID/cgroup``) to the kubelet's names (its
+    pod-resources assignment of that GPU), and :class:`EnginePods` needs those names for an
+    engine's pod. So the join sits on the derived side of the pipeline, not in a source:
+    :meth:`take` receives every published report (``AgentState.on_publish``) and keeps the
+    GPU source's latest process rows; :meth:`get` answers from them. The engine source reads
+    it only through :class:`EnginePods` (``Context.engine_pods``), as a lookup, and never
+    reads the state or the GPU sampler.
+
+    Args:
+        sampler: the ``sampler`` label of the reports to take (the GPU source's).
+
+    Thread-safety: :meth:`take` runs on the publishing sampler's thread, :meth:`get` on an
+    engine sampler's; one lock guards the one reference they share.
+    """
+
+    def __init__(self, sampler: str = "gpu") -> None:
+        self._sampler = sampler
+        self._lock = threading.Lock()
+        self._rows: tuple[Labels, ...] = ()
+
+    def take(self, report: SamplerReport) -> None:
+        """Keep the process rows of a published GPU report (none when it failed).
+
+        Args:
+            report: any published report; other samplers' are ignored.
+        """
+        if report.sampler != self._sampler:
+            return
+        batch = report.batch if report.ok else None
+        rows = tuple(
+            s.labels for s in batch or () if s.name == "kvpressure_gpu_process_memory_bytes"
+        )
+        with self._lock:
+            self._rows = rows
+
+    def get(self, pod_uid: str) -> tuple[str | None, str | None, str | None] | None:
+        """``(namespace, pod, container)`` of ``pod_uid`` (see :func:`names_from_process_rows`)."""
+        with self._lock:
+            rows = self._rows
+        return names_from_process_rows(rows, pod_uid)
 
 
 def names_from_process_rows(

@@ -16,7 +16,13 @@ same ``samplers.<name>.enabled`` / ``interval_s`` switch in the config
 
 Rules of the house, checked by ``tests/test_pipeline.py``:
 
-* a source reads the outside world only, never another source or the state;
+* a source reads the outside world only, never another source or the state. What several
+  stages need is a lookup in the :class:`Context`: ``engine_pids`` (the PIDs listening on
+  the engines' ports: the daemon's ``psutil`` scan, read by the GPU source to join processes
+  to engines and by ``engine_pods``) and ``engine_pods`` (an engine's pod labels: its
+  listening PID's ``/proc/PID/cgroup``, plus names that only the GPU source's process rows
+  give, joined on the derived side by :class:`agent.kube.PodNameJoin` from each published
+  ``gpu`` report, never read from the state or the GPU sampler by the engine source);
 * a derived stage reads the state and timeline; one with ``after`` runs right after each
   report of those sources (the same tick), the others on their own interval;
 * exporters are not stages: they render the state and report their own health with
@@ -129,8 +135,12 @@ class Context:
         requests: the one request stream (derived stages subscribe to it).
         attributions: the attribution store (outlives reloads).
         engines: configured and discovered engines.
-        engine_pids: PID -> engine label of local engine processes (the GPU join).
-        engine_pods: engine label -> its pod's labels (:meth:`agent.kube.EnginePods.labels`).
+        engine_pids: PID -> engine label of local engine processes (the GPU join); reads
+            the OS (``psutil``), not a stage.
+        engine_pods: engine label -> its pod's labels (:meth:`agent.kube.EnginePods.labels`);
+            its names come from :class:`agent.kube.PodNameJoin`, a derived join of the
+            published ``gpu`` reports (see the module doc), so the engine source reading it
+            reads neither the state nor another source.
         span_sink: the OTLP exporter's span sink, or ``None`` when export is off.
     """
 

@@ -9,7 +9,7 @@ for values they do not have: :meth:`Batch.add` silently drops ``None`` and NaN, 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
@@ -38,12 +38,13 @@ class Sample:
     """One value of one series.
 
     Attributes:
-        name: the catalogue metric name (``kvpressure_*``).
+        name: the catalogue sample name (``kvpressure_*``), typed by
+            :data:`agent.catalogue.SampleName` so a misspelt name fails ``mypy``.
         value: the value in the metric's base unit (bytes, seconds, ratio 0-1, count).
         labels: sorted label pairs (see :func:`make_labels`).
     """
 
-    name: str
+    name: SampleName
     value: float
     labels: Labels = ()
 
@@ -95,6 +96,33 @@ class Batch:
         if math.isnan(v) or math.isinf(v):
             return
         self.samples.append(Sample(name, v, make_labels(labels)))
+
+    def add_labelled(self, name: SampleName, value: float | int | None, labels: Labels, /) -> None:
+        """:meth:`add` with labels already built by :func:`make_labels`.
+
+        For samplers that keep one label tuple per series across cycles (a GPU's
+        ``gpu``/``uuid``/``mig`` set) instead of sorting keyword labels every cycle.
+
+        Args:
+            name: catalogue metric name.
+            value: value in base units; ``None``, NaN and infinities are dropped.
+            labels: sorted label pairs without empty values (:func:`make_labels`).
+        """
+        if value is None:
+            return
+        v = float(value)
+        if math.isnan(v) or math.isinf(v):
+            return
+        self.samples.append(Sample(name, v, labels))
+
+    def extend(self, samples: Iterable[Sample]) -> None:
+        """Append samples built earlier (a sampler's cached, unchanged series).
+
+        Args:
+            samples: samples whose values are finite (each built through the typed
+                :class:`Sample`, so its name is a catalogue :data:`SampleName`).
+        """
+        self.samples.extend(samples)
 
     def source_ok(self, source: str) -> None:
         """Record that ``source`` was read successfully this cycle."""

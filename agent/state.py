@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from kvpressure.agent import __version__
+from kvpressure.agent.catalogue import SampleName
 from kvpressure.agent.samples import Batch, Labels, Sample, SourceStatus, make_labels
 from kvpressure.agent.timeline import Timeline
 
@@ -148,7 +149,7 @@ class AgentState:
         with self._lock:
             return [self._reports[k] for k in sorted(self._reports)]
 
-    def latest(self, name: str) -> dict[Labels, float]:
+    def latest(self, name: SampleName) -> dict[Labels, float]:
         """Return the current value of every series of ``name`` from the latest batches.
 
         Used by derived computations (accelerator stall time, capacity) that combine what

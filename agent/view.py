@@ -11,6 +11,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvpressure.agent.catalogue import SampleName
+
 STALL_REASONS: tuple[str, ...] = ("idle_with_queue", "memory_bound", "throttled")
 """The reasons of ``kvpressure_accelerator_stall_seconds_total``, in display order."""
 
@@ -33,13 +35,13 @@ class Snap:
             except (KeyError, TypeError, ValueError):
                 continue  # a malformed sample is skipped, never fatal
 
-    def series(self, name: str, **labels: str) -> Iterator[tuple[dict[str, str], float]]:
+    def series(self, name: SampleName, **labels: str) -> Iterator[tuple[dict[str, str], float]]:
         """Yield ``(labels, value)`` of every series of ``name`` matching ``labels``."""
         for lab, v in self._by_name.get(name, []):
             if all(lab.get(k) == want for k, want in labels.items()):
                 yield lab, v
 
-    def one(self, name: str, **labels: str) -> float | None:
+    def one(self, name: SampleName, **labels: str) -> float | None:
         """The first value of ``name`` matching ``labels``; ``None`` when there is none."""
         for _, v in self.series(name, **labels):
             return v

@@ -19,7 +19,7 @@ the agent's readings beside nvidia-smi's and exits non-zero when
 Exit codes: 0 all checks passed; 1 a check failed; 2 no usable GPU here (no NVIDIA driver, no
 ``nvidia-smi``, no PyTorch with CUDA) — the message says which.
 
-It imports only ``agent.samplers.{gpu,nvml_binding,base}``, ``agent.samples`` and
+It imports only ``agent.samplers.{gpu,nvml_*,base}``, ``agent.samples`` and
 ``agent.catalogue`` from the project (no pydantic, httpx or aiohttp), plus torch. Run from the
 repository root: ``python3 benchmarks/gpu_check.py``.
 """

@@ -25,6 +25,7 @@ from kvpressure.agent.daemon import Daemon
 from kvpressure.agent.kube import EnginePods, names_from_process_rows
 from kvpressure.agent.samplers.engines import make_engine_sampler
 from kvpressure.agent.samples import Batch, make_labels
+from kvpressure.agent.state import SamplerReport
 
 UID = "6f1c2b3a-4d5e-4f60-8a9b-0c1d2e3f4a5b"
 UID2 = "0b7d9e44-1c2a-4e0f-9b1d-5a6c7e8f9012"
@@ -176,6 +177,35 @@ def test_names_from_the_gpu_process_rows() -> None:
     # two containers of the pod on GPUs: which one listens is not known
     rows.append(make_labels({**row, "pid": "4", "container": "sidecar"}))
     assert names_from_process_rows(rows, UID) == ("llm", "p0", None)
+
+
+def test_the_daemon_joins_names_from_published_gpu_reports_never_the_state(
+    tmp_path: Path, monkeypatch
+) -> None:
+    cgroup(tmp_path, 4242, containerd_v2(UID))
+    d = Daemon(parse("listen: '127.0.0.1:0'\ndiscovery: {enabled: false}\n"))
+
+    def no_state(*_args: object) -> object:
+        raise AssertionError("the engine's pod lookup read the state")
+
+    monkeypatch.setattr(d.state, "latest", no_state)
+    clock = Clock()
+    pods = EnginePods(Pids({4242: "vllm"}), tmp_path, names=d.pod_names.get, clock=clock)
+    assert pods.labels("vllm") == {"pod_uid": UID}  # no GPU report yet: the uid alone
+    row = {"gpu": "0", "pid": "4242", "pod_uid": UID, "namespace": "llm", "pod": "vllm-llama-0"}
+    gpu = Batch()
+    gpu.add("kvpressure_gpu_process_memory_bytes", 2e9, **row, container="vllm")
+    other = Batch()
+    other.add("kvpressure_gpu_process_memory_bytes", 2e9, **row, container="sidecar")
+    d.state.publish(SamplerReport("gpu", time.time(), 0.01, True, batch=gpu))
+    d.state.publish(SamplerReport("host", time.time(), 0.01, True, batch=other))  # not the GPU's
+    clock.t += 5
+    want = {"pod_uid": UID, "namespace": "llm", "pod": "vllm-llama-0", "container": "vllm"}
+    assert pods.labels("vllm") == want
+    # a failed GPU collection has no rows: as with no report, no names for a pod not yet named
+    d.state.publish(SamplerReport("gpu", time.time(), 1.0, False, "timeout"))
+    assert d.pod_names.get(UID) is None
+    assert pods.labels("vllm") == want  # an engine keeps the names it was given
 
 
 def test_every_engine_series_carries_the_pod_labels(tmp_path: Path) -> None:

@@ -1,7 +1,10 @@
 """The NVML chokepoint: error classification, lazy locked init, versioned probes, the fake."""
 
+import ast
 import ctypes
 import logging
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -9,9 +12,12 @@ import pynvml
 import pytest
 
 from kvpressure.agent.samplers import nvml_binding as nb
+from kvpressure.agent.samplers import nvml_codes as nc
 from kvpressure.agent.samplers.fake_nvml import MIB, FakeNvml, list_profiles, load_profile
+from kvpressure.agent.samplers.nvml_factory import bind
 
-PROFILES = Path(__file__).resolve().parent.parent / "agent" / "samplers" / "fake_nvml" / "profiles"
+ROOT = Path(__file__).resolve().parent.parent
+PROFILES = ROOT / "agent" / "samplers" / "fake_nvml" / "profiles"
 
 
 # ---- classification ---------------------------------------------------------------------------
@@ -115,20 +121,55 @@ def test_handle_key_identifies_ctypes_pointers_by_address():
     assert nb.handle_key(obj) == id(obj)
 
 
+# ---- the binding and the fake do not import each other -------------------------------------
+def _loaded_after(module: str) -> set[str]:
+    """The ``kvpressure.agent.samplers`` modules a fresh interpreter holds after ``module``."""
+    code = (
+        f"import sys, importlib; importlib.import_module({module!r}); "
+        "print(' '.join(m for m in sys.modules if m.startswith('kvpressure.agent.samplers')))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    )
+    return set(out.stdout.split())
+
+
+def test_the_real_binding_and_the_fake_share_only_the_codes():
+    binding = _loaded_after("kvpressure.agent.samplers.nvml_binding")
+    assert "kvpressure.agent.samplers.nvml_codes" in binding
+    assert not any(m.startswith("kvpressure.agent.samplers.fake_nvml") for m in binding)
+    assert "kvpressure.agent.samplers.nvml_factory" not in binding
+    for fake in ("fake_nvml", "fake_nvml.record"):
+        loaded = _loaded_after(f"kvpressure.agent.samplers.{fake}")
+        assert "kvpressure.agent.samplers.nvml_codes" in loaded
+        assert "kvpressure.agent.samplers.nvml_binding" not in loaded, fake
+    # not even lazily (an import inside a function): the binding imports neither
+    tree = ast.parse((ROOT / "agent" / "samplers" / "nvml_binding.py").read_text("utf-8"))
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)} | {
+        a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names
+    }
+    assert not {m for m in imported if m and ("fake_nvml" in m or "nvml_factory" in m)}
+    # the factory picks the fake only when asked, and both speak the same error classes
+    assert "kvpressure.agent.samplers.fake_nvml" not in _loaded_after(
+        "kvpressure.agent.samplers.nvml_factory"
+    )
+    assert nb.NvmlError is nc.NvmlError and nb.classify is nc.classify
+
+
 # ---- bind ---------------------------------------------------------------------------------
 def test_bind_rejects_unknown_specs_and_profiles():
     with pytest.raises(ValueError, match="unknown NVML binding"):
-        nb.bind("cuda")
+        bind("cuda")
     with pytest.raises(ValueError, match="only accepted by fake"):
-        nb.bind("nvml", gpus=2)
+        bind("nvml", gpus=2)
     with pytest.raises(FileNotFoundError, match=r"available: .*h200"):
-        nb.bind("fake:h300")
+        bind("fake:h300")
 
 
 def test_real_binding_without_a_driver_is_library_not_found():
     if Path("/proc/driver/nvidia/version").exists():
         pytest.skip("an NVIDIA driver is present here")
-    b = nb.bind("nvml")
+    b = bind("nvml")
     with pytest.raises(nb.NvmlError) as ei:
         b.init()
     assert ei.value.kind in (nb.LIBRARY_NOT_FOUND, nb.DRIVER_NOT_LOADED)
@@ -163,7 +204,7 @@ def test_init_is_lazy_locked_and_once():
 
 
 def test_calls_before_init_are_uninitialized():
-    b = nb.bind("fake:h200")
+    b = bind("fake:h200")
     with pytest.raises(nb.NvmlError) as ei:
         b.call("nvmlDeviceGetCount")
     assert ei.value.kind == nb.UNINITIALIZED
@@ -208,7 +249,7 @@ def test_memory_v2_argument_version_mismatch_also_falls_back():
 
 
 def test_memory_v2_reports_reserved_separately():
-    b = nb.bind("fake:h200")
+    b = bind("fake:h200")
     b.init()
     m = b.memory_info(b.call("nvmlDeviceGetHandleByIndex", 0))
     assert (m.version, m.total, m.reserved, m.used) == (
@@ -296,7 +337,7 @@ def test_every_profile_loads_and_carries_provenance():
     ],
 )
 def test_profile_identity_and_memory(profile, gpus, name, total_mib):
-    b = nb.bind(f"fake:{profile}")
+    b = bind(f"fake:{profile}")
     b.init()
     assert b.call("nvmlDeviceGetCount") == gpus
     h = b.call("nvmlDeviceGetHandleByIndex", 0)

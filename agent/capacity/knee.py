@@ -13,6 +13,7 @@ import bisect
 import threading
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Final
 
 from kvpressure.agent.catalogue import SampleName, histogram_names
 from kvpressure.agent.histograms import histogram_quantile
@@ -45,7 +46,7 @@ BUCKETS: tuple[float, ...] = (
 
 PHASES = ("ttft", "itl")
 
-METRIC = "kvpressure_kv_occupancy_latency_seconds"
+METRIC: Final = "kvpressure_kv_occupancy_latency_seconds"
 
 
 def band_of(occupancy: float) -> str:

@@ -58,10 +58,11 @@ from collections import defaultdict, deque
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 from kvpressure.agent.capacity.knee import KneeHistogram
 from kvpressure.agent.capacity.kvbytes import DTYPE_BYTES, KVShape, ModelShapeError, load_shape
+from kvpressure.agent.catalogue import SampleName
 from kvpressure.agent.logs import LogOnce
 from kvpressure.agent.pipeline import Context, Plan, Sampler, Stage, register
 from kvpressure.agent.samples import Batch, Labels
@@ -76,17 +77,17 @@ log = logging.getLogger(__name__)
 CONSUMER = "capacity"
 """This sampler's queue name on the RequestStream."""
 
-USED = "kvpressure_engine_kv_cache_used_tokens"
-CAPACITY = "kvpressure_engine_kv_cache_capacity_tokens"
-RATIO = "kvpressure_engine_kv_cache_usage_ratio"
-RUNNING = "kvpressure_engine_requests_running"
-SLOTS = "kvpressure_engine_slots"
-INFO = "kvpressure_engine_info"
-HITS = "kvpressure_engine_prefix_cache_hit_tokens_total"
-PROMPT_TOKENS = "kvpressure_engine_prompt_tokens_total"
-PROMPT_SECONDS = "kvpressure_engine_prompt_seconds_total"
-GEN_TOKENS = "kvpressure_engine_generation_tokens_total"
-GEN_SECONDS = "kvpressure_engine_generation_seconds_total"
+USED: Final = "kvpressure_engine_kv_cache_used_tokens"
+CAPACITY: Final = "kvpressure_engine_kv_cache_capacity_tokens"
+RATIO: Final = "kvpressure_engine_kv_cache_usage_ratio"
+RUNNING: Final = "kvpressure_engine_requests_running"
+SLOTS: Final = "kvpressure_engine_slots"
+INFO: Final = "kvpressure_engine_info"
+HITS: Final = "kvpressure_engine_prefix_cache_hit_tokens_total"
+PROMPT_TOKENS: Final = "kvpressure_engine_prompt_tokens_total"
+PROMPT_SECONDS: Final = "kvpressure_engine_prompt_seconds_total"
+GEN_TOKENS: Final = "kvpressure_engine_generation_tokens_total"
+GEN_SECONDS: Final = "kvpressure_engine_generation_seconds_total"
 
 PROMPT_INCLUDES_HITS = frozenset({"vllm", "sglang", "trtllm"})
 """Engine types whose prompt-token counter includes prefix-cache hits."""
@@ -153,7 +154,7 @@ def _add(cur: float | None, v: float) -> float:
     return v if cur is None else cur + v
 
 
-_SUMMED = {
+_SUMMED: Final[dict[SampleName, str]] = {
     USED: "used",
     CAPACITY: "capacity",
     RUNNING: "running",
@@ -165,7 +166,7 @@ _SUMMED = {
 }
 
 
-def engine_views(latest: Callable[[str], Mapping[Labels, float]]) -> dict[str, EngineView]:
+def engine_views(latest: Callable[[SampleName], Mapping[Labels, float]]) -> dict[str, EngineView]:
     """Group the engines' latest samples by ``engine`` label.
 
     Args:
@@ -432,7 +433,7 @@ class CapacitySampler(Sampler):
             return None
         return headroom / slope
 
-    def _window_delta(self, name: str, engine: str, now: float) -> float | None:
+    def _window_delta(self, name: SampleName, engine: str, now: float) -> float | None:
         pts = _summed_series(
             self.state.timeline.window(name, now - self.window_s, now, {"engine": engine})
         )

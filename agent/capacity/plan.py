@@ -47,6 +47,7 @@ from typing import Any
 
 from kvpressure.agent.capacity.knee import BandStats, band_bounds, band_of, stats_from_samples
 from kvpressure.agent.capacity.kvbytes import KVShape, fmt_bytes
+from kvpressure.agent.catalogue import SampleName
 
 GIB = 1024**3
 
@@ -216,7 +217,7 @@ def live_from_snapshot(snap: Mapping[str, Any], engine: str | None = None) -> Li
             f"the agent has no engine {engine!r} (it has: {', '.join(engines) or 'none'})"
         )
 
-    def total(name: str, **want: str) -> float | None:
+    def total(name: SampleName, **want: str) -> float | None:
         vals = [
             v
             for n, lab, v in samples
@@ -226,7 +227,7 @@ def live_from_snapshot(snap: Mapping[str, Any], engine: str | None = None) -> Li
         ]
         return sum(vals) if vals else None
 
-    def host(name: str, agg: str = "sum", **want: str) -> float | None:
+    def host(name: SampleName, agg: str = "sum", **want: str) -> float | None:
         vals = [
             v
             for n, lab, v in samples

@@ -142,7 +142,7 @@ class Histogram:
         self.total += 1
         self.sum += value
 
-    def emit(self, batch: Batch, name: str, **labels: str) -> None:
+    def emit(self, batch: Batch, name: catalogue.HistogramName, **labels: str) -> None:
         """Add ``<name>_bucket`` (cumulative, with ``le``), ``_count`` and ``_sum`` samples."""
         bucket, count, total = catalogue.histogram_names(name)
         running = 0

@@ -61,6 +61,7 @@ from dataclasses import dataclass, field
 from typing import Final
 
 from kvpressure.agent import catalogue as m
+from kvpressure.agent.catalogue import SampleName
 from kvpressure.agent.logs import LogOnce
 from kvpressure.agent.pipeline import Context, Plan, Sampler, Stage, register
 from kvpressure.agent.samples import Batch, Labels, Sample, SourceStatus, make_labels
@@ -83,7 +84,8 @@ RUNNING: Final = m.ENGINE_REQUESTS_RUNNING
 WAITING: Final = m.ENGINE_REQUESTS_WAITING
 PROMPT_TOKENS: Final = m.ENGINE_PROMPT_TOKENS_TOTAL
 GENERATION_TOKENS: Final = m.ENGINE_GENERATION_TOKENS_TOTAL
-ENGINE_GPU_VIEWS: Final = {
+TOKEN_COUNTERS: Final[tuple[SampleName, ...]] = (PROMPT_TOKENS, GENERATION_TOKENS)
+ENGINE_GPU_VIEWS: Final[dict[str, SampleName]] = {
     "memory_total": m.ENGINE_GPU_MEMORY_TOTAL_BYTES,
     "memory_used": m.ENGINE_GPU_MEMORY_USED_BYTES,
 }
@@ -95,7 +97,7 @@ MAX_DEVICES: Final = 4096
 """Devices (GPUs and MIG instances) whose counters are remembered; the least recently seen
 is forgotten first (a MIG layout that churns cannot grow memory without bound)."""
 
-StateView = Callable[[str], dict[Labels, float]]
+StateView = Callable[[SampleName], dict[Labels, float]]
 """``AgentState.latest``: metric name → {labels: current value}."""
 
 _DEVICE_KEYS: Final = frozenset({"gpu", "uuid", "mig"})
@@ -466,7 +468,11 @@ class AcceleratorSampler(Sampler):
                 engine, uuid = _label(labels, "engine"), _label(labels, "uuid")
                 if engine is not None and uuid is not None:
                     out.gpu_views.setdefault((uuid, signal), {})[engine] = value
-        for metric, target in ((RUNNING, out.running), (WAITING, out.waiting)):
+        gauges: tuple[tuple[SampleName, dict[str, float]], ...] = (
+            (RUNNING, out.running),
+            (WAITING, out.waiting),
+        )
+        for metric, target in gauges:
             for labels, value in view(metric).items():
                 engine = _label(labels, "engine")
                 if engine is not None:
@@ -474,7 +480,7 @@ class AcceleratorSampler(Sampler):
                     out.names.add(engine)
         cum: dict[str, float] = {}
         series: dict[str, set[Labels]] = {}
-        for metric in (PROMPT_TOKENS, GENERATION_TOKENS):
+        for metric in TOKEN_COUNTERS:
             for labels, value in view(metric).items():
                 engine = _label(labels, "engine")
                 if engine is not None:

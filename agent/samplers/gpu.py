@@ -102,9 +102,10 @@ The sampler is split by concern: :mod:`.gpu_workers` (worker pool, back-off),
 :mod:`.gpu_devices` (per-device state), :mod:`.gpu_nvml` (discovery, MIG, reads),
 :mod:`.gpu_xid`, :mod:`.gpu_procs`; this module runs the cycle and emits the samples.
 
-The module imports only the standard library and ``agent.samplers.{base,nvml_binding,gpu_*}``
-/ ``agent.samples`` (no pydantic, httpx or aiohttp), so ``benchmarks/gpu_check.py`` runs it on a
-bare GPU machine.
+NVML comes through :mod:`.nvml_binding`, picked by :func:`.nvml_factory.bind` (the real
+library, or the fake for ``fake:<profile>``; neither imports the other, they share
+:mod:`.nvml_codes`). The module imports no pydantic, httpx or aiohttp, so
+``benchmarks/gpu_check.py`` runs it on a bare GPU machine.
 """
 
 from __future__ import annotations
@@ -150,7 +151,8 @@ from kvpressure.agent.samplers.gpu_procs import (
 )
 from kvpressure.agent.samplers.gpu_workers import _Backoff, _Job, _Pass, _Worker
 from kvpressure.agent.samplers.gpu_xid import XID_DRAIN_MAX
-from kvpressure.agent.samples import Batch, Labels, Sample, make_labels
+from kvpressure.agent.samplers.nvml_factory import bind
+from kvpressure.agent.samples import Batch, Sample, make_labels
 
 __all__ = [
     "ANCESTOR_DEPTH",
@@ -236,7 +238,7 @@ class GpuSampler(_NvmlMixin, Sampler):
         pod_names: PodNames | None = None,
     ) -> None:
         super().__init__(interval_s, timeout_s)
-        self._nv = nb.bind(binding) if isinstance(binding, str) else binding
+        self._nv = bind(binding) if isinstance(binding, str) else binding
         self.binding = self._nv
         self._engine_pids = engine_pids
         self.gpu_timeout_s = self.timeout_s / 2 if gpu_timeout_s is None else gpu_timeout_s
@@ -560,7 +562,7 @@ class GpuSampler(_NvmlMixin, Sampler):
             labels = [leaf.labels for leaf in g.leaves()] or [make_labels({"gpu": str(g.index)})]
             for lab in labels:
                 if lab not in done:
-                    batch.samples.append(Sample("kvpressure_gpu_up", 0.0, lab))
+                    batch.add_labelled("kvpressure_gpu_up", 0, lab)
 
     def _gpu_down(self, batch: Batch, g: _Gpu, reason: str, now: float, count: bool = True) -> None:
         if count:
@@ -580,7 +582,7 @@ class GpuSampler(_NvmlMixin, Sampler):
         batch.source_error(f"gpu{g.index}", g.down_reason or reason)
         labels = [leaf.labels for leaf in g.leaves()] or [make_labels({"gpu": str(g.index)})]
         for lab in labels:
-            batch.samples.append(Sample("kvpressure_gpu_up", 0.0, lab))
+            batch.add_labelled("kvpressure_gpu_up", 0, lab)
 
     # ---- emitting (main thread) --------------------------------------------------------------
     def _emit_all(self, batch: Batch, readings: dict[int, _GpuReading], now: float) -> None:
@@ -661,40 +663,38 @@ class GpuSampler(_NvmlMixin, Sampler):
         proc_engine: dict[int, str | None],
         engine_pods: set[tuple[str, str, tuple[str, str, str] | None]],
     ) -> None:
-        out = batch.samples
+        add = batch.add_labelled
         for lr in reading.leaves:
             leaf = lr.leaf
             lab = leaf.labels
-            out.extend(self._static_samples(leaf))
+            batch.extend(self._static_samples(leaf))
             if lr.memory is not None:
                 total, used, free, reserved = lr.memory
-                out.append(Sample("kvpressure_gpu_memory_total_bytes", total, lab))
-                out.append(Sample("kvpressure_gpu_memory_used_bytes", used, lab))
-                out.append(Sample("kvpressure_gpu_memory_free_bytes", free, lab))
+                add("kvpressure_gpu_memory_total_bytes", total, lab)
+                add("kvpressure_gpu_memory_used_bytes", used, lab)
+                add("kvpressure_gpu_memory_free_bytes", free, lab)
                 if reserved is not None:
-                    out.append(Sample("kvpressure_gpu_memory_reserved_bytes", reserved, lab))
+                    add("kvpressure_gpu_memory_reserved_bytes", reserved, lab)
             if lr.utilization is not None:
-                out.append(Sample("kvpressure_gpu_utilization_ratio", lr.utilization, lab))
+                add("kvpressure_gpu_utilization_ratio", lr.utilization, lab)
             if lr.bandwidth is not None:
-                _put(
-                    out,
+                add(
                     "kvpressure_gpu_memory_bandwidth_utilization_ratio",
                     lr.bandwidth,
                     leaf.lab("source", "gpm"),
                 )
             elif lr.memory_activity is not None:
-                _put(
-                    out,
+                add(
                     "kvpressure_gpu_memory_bandwidth_utilization_ratio",
                     lr.memory_activity,
                     leaf.lab("source", "nvml"),
                 )
             if lr.sm_occupancy is not None:
-                out.append(Sample("kvpressure_gpu_sm_occupancy_ratio", lr.sm_occupancy, lab))
-            _put(out, "kvpressure_gpu_power_watts", lr.power_w, lab)
-            _put(out, "kvpressure_gpu_temperature_celsius", lr.temperature_c, lab)
+                add("kvpressure_gpu_sm_occupancy_ratio", lr.sm_occupancy, lab)
+            add("kvpressure_gpu_power_watts", lr.power_w, lab)
+            add("kvpressure_gpu_temperature_celsius", lr.temperature_c, lab)
             if lr.clocks is not None:
-                out.extend(leaf.clock_samples(lr.clocks))
+                batch.extend(leaf.clock_samples(lr.clocks))
             for pid, used in lr.processes or ():
                 pod = self._pods.get(pid)
                 names = self._pod_names_now.get(leaf.uuid) if pod is not None else None
@@ -704,25 +704,22 @@ class GpuSampler(_NvmlMixin, Sampler):
                 engine = proc_engine.get(pid)
                 if pod is not None and engine is not None:
                     engine_pods.add((engine, pod.pod_uid, names))
-                out.append(Sample("kvpressure_gpu_process_memory_bytes", used, plab))
+                add("kvpressure_gpu_process_memory_bytes", used, plab)
             if leaf.host_memory and lr.processes is not None:
                 used_sum = math.fsum(u for _, u in lr.processes)
-                out.append(Sample("kvpressure_gpu_memory_used_bytes", used_sum, lab))
+                add("kvpressure_gpu_memory_used_bytes", used_sum, lab)
             if leaf.unified == "true":
-                _put(
-                    out,
+                add(
                     "kvpressure_gpu_unified_memory_available_bytes",
                     _meminfo(self._procfs).get("MemAvailable"),
                     lab,
                 )
             # every device read carries its counters, 0 until something is dropped
             for reason in DROP_REASONS:
-                out.append(
-                    Sample(
-                        "kvpressure_gpu_values_dropped_total",
-                        float(leaf.dropped[reason]),
-                        leaf.lab("reason", reason),
-                    )
+                add(
+                    "kvpressure_gpu_values_dropped_total",
+                    leaf.dropped[reason],
+                    leaf.lab("reason", reason),
                 )
             for name, reason in lr.unsupported:
                 batch.source_unsupported(f"{leaf.source}.{name}", reason)
@@ -730,13 +727,11 @@ class GpuSampler(_NvmlMixin, Sampler):
             batch.source_unsupported(f"gpu{g.index}.{name}", reason)
         if g.links is None:
             batch.source_unsupported(f"gpu{g.index}.nvlink", "not_supported")
-        self._counters(out, g, reading)
+        self._counters(batch, g, reading)
         xids = self._xid.get(g.index)
         if xids and g.leaf is not None:
             for xid, n in sorted(xids.items()):
-                out.append(
-                    Sample("kvpressure_gpu_xid_errors_total", float(n), g.leaf.lab("xid", str(xid)))
-                )
+                add("kvpressure_gpu_xid_errors_total", n, g.leaf.lab("xid", str(xid)))
         batch.source_ok(f"gpu{g.index}")
 
     def _static_samples(self, leaf: _Leaf) -> tuple[Sample, ...]:
@@ -760,7 +755,7 @@ class GpuSampler(_NvmlMixin, Sampler):
             leaf.static_key = key
         return leaf.static
 
-    def _counters(self, out: list[Sample], g: _Gpu, reading: _GpuReading) -> float | None:
+    def _counters(self, batch: Batch, g: _Gpu, reading: _GpuReading) -> float | None:
         """Accumulate PCIe/NVLink totals; returns this cycle's bytes moved, or ``None``.
 
         Field values are read every :data:`SLOW_INTERVAL_S`; a cycle without a read moved 0
@@ -795,7 +790,7 @@ class GpuSampler(_NvmlMixin, Sampler):
                 for (grp, d), total in sorted(g.totals.items())
                 if (g.pcie_ok if grp == "pcie" else g.nvlink_ok)
             )
-        out.extend(g.counter_samples)
+        batch.extend(g.counter_samples)
         return moved
 
 
@@ -804,12 +799,6 @@ _LINK_METRICS: Final[dict[str, SampleName]] = {
     "pcie": catalogue.GPU_PCIE_BYTES_TOTAL,
     "nvlink": catalogue.GPU_NVLINK_BYTES_TOTAL,
 }
-
-
-def _put(out: list[Sample], name: SampleName, value: float | None, labels: Labels) -> None:
-    """Append a sample unless the value is missing (``None``)."""
-    if value is not None and math.isfinite(value):
-        out.append(Sample(name, float(value), labels))
 
 
 @register("gpu", Stage.SOURCE, "every NVIDIA GPU and MIG instance through NVML")

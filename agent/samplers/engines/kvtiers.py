@@ -60,18 +60,22 @@ for it; LMCache exports no tier capacity (``state=total``).
 
 from __future__ import annotations
 
+from typing import Final
+
+from kvpressure.agent import catalogue as m
+from kvpressure.agent.catalogue import SampleName
 from kvpressure.agent.samplers.engines.normalize import RATIO, Combine, EngineMapping, Rule
 
-TIER_BYTES = "kvpressure_memory_tier_bytes"
-TIER_HITS = "kvpressure_engine_prefix_cache_tier_hit_tokens_total"
-OFFLOAD_BYTES = "kvpressure_engine_kv_offload_bytes_total"
-OFFLOAD_BLOCKS = "kvpressure_engine_kv_offload_blocks_total"
-OFFLOAD_TOKENS = "kvpressure_engine_kv_offload_tokens_total"
-TIER_EVICTIONS = "kvpressure_engine_kv_tier_evictions_total"
-TIER_HIT_RATIO = "kvpressure_engine_kv_tier_hit_ratio"
-TIER_USAGE = "kvpressure_engine_kv_tier_usage_ratio"
-EXT_QUERIED = "kvpressure_engine_external_prefix_cache_queried_tokens_total"
-EXT_HITS = "kvpressure_engine_external_prefix_cache_hit_tokens_total"
+TIER_BYTES: Final = m.MEMORY_TIER_BYTES
+TIER_HITS: Final = m.ENGINE_PREFIX_CACHE_TIER_HIT_TOKENS_TOTAL
+OFFLOAD_BYTES: Final = m.ENGINE_KV_OFFLOAD_BYTES_TOTAL
+OFFLOAD_BLOCKS: Final = m.ENGINE_KV_OFFLOAD_BLOCKS_TOTAL
+OFFLOAD_TOKENS: Final = m.ENGINE_KV_OFFLOAD_TOKENS_TOTAL
+TIER_EVICTIONS: Final = m.ENGINE_KV_TIER_EVICTIONS_TOTAL
+TIER_HIT_RATIO: Final = m.ENGINE_KV_TIER_HIT_RATIO
+TIER_USAGE: Final = m.ENGINE_KV_TIER_USAGE_RATIO
+EXT_QUERIED: Final = m.ENGINE_EXTERNAL_PREFIX_CACHE_QUERIED_TOKENS_TOTAL
+EXT_HITS: Final = m.ENGINE_EXTERNAL_PREFIX_CACHE_HIT_TOKENS_TOTAL
 
 
 def tier_bytes(tier: str, *sources: str, combine: Combine = "sum") -> Rule:
@@ -91,7 +95,7 @@ def tier_bytes(tier: str, *sources: str, combine: Combine = "sum") -> Rule:
     )
 
 
-def moved(canonical: str, tier: str, direction: str, *sources: str) -> Rule:
+def moved(canonical: SampleName, tier: str, direction: str, *sources: str) -> Rule:
     """A counter of KV moved to (``offload``) or from (``onboard``) ``tier``."""
     return Rule(
         canonical,
@@ -106,7 +110,7 @@ def tier_hits(tier: str, *sources: str) -> Rule:
     return Rule(TIER_HITS, sources, kind="counter", out_labels=(("tier", tier),))
 
 
-def tier_ratio(canonical: str, tier: str, *sources: str) -> Rule:
+def tier_ratio(canonical: SampleName, tier: str, *sources: str) -> Rule:
     """A 0-1 gauge rule with a ``tier`` label (max across ranks)."""
     return Rule(canonical, sources, combine="max", valid=RATIO, out_labels=(("tier", tier),))
 

@@ -95,9 +95,9 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Final, Literal
+from typing import Final, Literal, cast
 
-from kvpressure.agent.catalogue import SampleName
+from kvpressure.agent.catalogue import HistogramName, SampleName, histogram_names
 from kvpressure.agent.histograms import (
     DEFAULT_MIN_COUNT,
     DEFAULT_WINDOW_S,
@@ -192,7 +192,7 @@ class Rule:
         buckets: the finite upper bounds (seconds) of ``export``'s bucket layout.
     """
 
-    canonical: str
+    canonical: SampleName
     sources: tuple[str, ...]
     combine: Combine = "sum"
     scale: float = 1.0
@@ -204,7 +204,7 @@ class Rule:
     per_model: bool = True
     quantiles: tuple[float, ...] = QUANTILES
     min_count: float = DEFAULT_MIN_COUNT
-    export: str = ""
+    export: HistogramName | Literal[""] = ""
     buckets: tuple[float, ...] = ()
 
 
@@ -271,9 +271,9 @@ class WindowRatio:
         window_s: window length in seconds.
     """
 
-    canonical: str
-    numerator: str
-    denominator: str
+    canonical: SampleName
+    numerator: SampleName
+    denominator: SampleName
     window_s: float = DEFAULT_WINDOW_S
 
 
@@ -289,7 +289,7 @@ class Derived:
         labels: extra output labels (e.g. ``(("state", "total"),)``).
     """
 
-    canonical: str
+    canonical: SampleName
     value: float
     model: str | None = None
     labels: LabelPairs = ()
@@ -798,13 +798,13 @@ _BASE_LABELS: Final = frozenset({"engine", "instance", "model"})
 _LABEL_SETS_KEPT: Final = 16384
 """Output label sets a normalizer keeps built (cleared when full)."""
 
-GroupKey = tuple[str, str | None, LabelPairs]
+GroupKey = tuple[SampleName, str | None, LabelPairs]
 """``(canonical, model, extra output labels)``: one output series."""
 
 
 @dataclass(slots=True)
 class _Pending:
-    canonical: str
+    canonical: SampleName
     combine: Combine
     scale: float
     model: str | None
@@ -1199,14 +1199,14 @@ class Normalizer:
                     self._emit(out, rule.canonical, model, value, (*extra, ("percentile", _pct(q))))
         for (model, extra), totals in group_totals.items():
             hist = sum_windows(totals)
-            if hist is not None:
+            if hist is not None and rule.export:
                 self._emit_histogram(out, rule.export, model, hist, extra)
         return reset_seen
 
     def _emit_histogram(
         self,
         out: NormalizedScrape,
-        name: str,
+        name: HistogramName,
         model: str | None,
         hist: HistogramSnapshot,
         extra: LabelPairs,
@@ -1218,7 +1218,7 @@ class Normalizer:
         """
         if not self._admit_extra(extra):
             return
-        bucket = f"{name}_bucket"
+        bucket, count, sum_ = histogram_names(name)
         base = self._labels(model, extra)
         emitted_labels = out.emitted_labels
         for bound, cum in zip(hist.bounds, hist.cumulative, strict=True):
@@ -1228,9 +1228,9 @@ class Normalizer:
             out.samples.append(Sample(bucket, float(cum), tuple(sorted((*base, ("le", le))))))
             out.emitted.add((bucket, model))
             emitted_labels.setdefault((*extra, ("le", le)), set()).add((bucket, model))
-        self._emit(out, f"{name}_count", model, hist.count, extra)
+        self._emit(out, count, model, hist.count, extra)
         if hist.sum is not None and math.isfinite(hist.sum) and hist.sum >= 0:
-            self._emit(out, f"{name}_sum", model, hist.sum, extra)
+            self._emit(out, sum_, model, hist.sum, extra)
 
     def _window_for(
         self, name: str, extra: LabelPairs, key: LabelPairs
@@ -1411,7 +1411,7 @@ class Normalizer:
     def _emit(
         self,
         out: NormalizedScrape,
-        canonical: str,
+        canonical: SampleName,
         model: str | None,
         value: float,
         extra: LabelPairs = (),
@@ -1430,7 +1430,7 @@ def _le_label(bound: float) -> str:
 
 
 @functools.lru_cache(maxsize=1024)
-def window_observations_name(canonical: str) -> str:
+def window_observations_name(canonical: SampleName) -> SampleName:
     """The catalogue gauge counting the observations behind a windowed-quantile gauge.
 
     Args:
@@ -1439,9 +1439,10 @@ def window_observations_name(canonical: str) -> str:
 
     Returns:
         ``canonical`` without its ``_seconds`` unit, plus ``_window_observations``, e.g.
-        ``kvpressure_engine_latency_window_observations``.
+        ``kvpressure_engine_latency_window_observations``: a catalogued gauge for every
+        histogram rule of the mappings (``tests/test_typing.py`` checks each).
     """
-    return canonical.removesuffix("_seconds") + "_window_observations"
+    return cast("SampleName", canonical.removesuffix("_seconds") + "_window_observations")
 
 
 def parse_source(source: str) -> tuple[str, LabelPairs]:

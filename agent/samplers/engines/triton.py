@@ -52,7 +52,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import Final
 
+from kvpressure.agent.catalogue import SampleName
 from kvpressure.agent.samplers.engines.normalize import (
     RATIO,
     Derived,
@@ -64,6 +66,13 @@ from kvpressure.agent.samplers.engines.normalize import (
 
 KV_BLOCKS = "nv_trt_llm_kv_cache_block_metrics"
 REQUESTS = "nv_trt_llm_request_metrics"
+
+_BLOCK_TOKENS: Final[tuple[tuple[str, SampleName], ...]] = (
+    ("max", "kvpressure_engine_kv_cache_capacity_tokens"),
+    ("used", "kvpressure_engine_kv_cache_used_tokens"),
+    ("free", "kvpressure_engine_kv_cache_free_tokens"),
+)
+"""``kv_cache_block_type`` of a block count, and the token gauge it gives (x tokens per block)."""
 
 
 def derive(index: MetricIndex) -> Iterable[Derived]:
@@ -81,11 +90,7 @@ def derive(index: MetricIndex) -> Iterable[Derived]:
         size = facts.get("tokens_per")
         if not size:
             continue
-        for kind, canonical in (
-            ("max", "kvpressure_engine_kv_cache_capacity_tokens"),
-            ("used", "kvpressure_engine_kv_cache_used_tokens"),
-            ("free", "kvpressure_engine_kv_cache_free_tokens"),
-        ):
+        for kind, canonical in _BLOCK_TOKENS:
             if kind in facts:
                 out.append(Derived(canonical, facts[kind] * size, model))
     return out
@@ -109,10 +114,10 @@ def _duration(phase: str, source: str) -> Rule:
     )
 
 
-def _gpu(field: str) -> Rule:
+def _gpu(canonical: SampleName, source: str) -> Rule:
     return Rule(
-        f"kvpressure_engine_gpu_memory_{field}_bytes",
-        (f"nv_gpu_memory_{field}_bytes",),
+        canonical,
+        (source,),
         combine="max",
         keep_labels=(("gpu_uuid", "uuid"),),
         per_model=False,
@@ -159,8 +164,8 @@ MAPPING = EngineMapping(
         _duration("queue", "nv_inference_queue_duration_us"),
         _duration("compute", "nv_inference_compute_infer_duration_us"),
         latency("ttft", "nv_inference_first_response_histogram_ms", scale=1e-3),
-        _gpu("used"),
-        _gpu("total"),
+        _gpu("kvpressure_engine_gpu_memory_used_bytes", "nv_gpu_memory_used_bytes"),
+        _gpu("kvpressure_engine_gpu_memory_total_bytes", "nv_gpu_memory_total_bytes"),
     ),
     derive=derive,
     derive_sources=(KV_BLOCKS,),

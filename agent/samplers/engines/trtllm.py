@@ -54,6 +54,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
+from kvpressure.agent.catalogue import SampleName
 from kvpressure.agent.samplers.engines import kvtiers
 from kvpressure.agent.samplers.engines.normalize import (
     RATIO,
@@ -78,7 +79,7 @@ def _per_model(index: MetricIndex, name: str, labels: tuple[str, ...]) -> dict[s
 
 def blocks_to_tokens(
     index: MetricIndex,
-    blocks: dict[str, str],
+    blocks: dict[SampleName, str],
     tokens_per_block: str,
     model_labels: tuple[str, ...] = ("model_name", "model"),
 ) -> Iterable[Derived]:

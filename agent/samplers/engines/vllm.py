@@ -92,12 +92,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import Final
 
+from kvpressure.agent.catalogue import SampleName
 from kvpressure.agent.samplers.engines import kvtiers
 from kvpressure.agent.samplers.engines.normalize import (
     RATIO,
     Derived,
     EngineMapping,
+    LabelPairs,
     MetricIndex,
     Rule,
     WindowRatio,
@@ -105,6 +108,13 @@ from kvpressure.agent.samplers.engines.normalize import (
 )
 
 CACHE_CONFIG_INFO = "vllm:cache_config_info"
+
+_CACHE_FACTS: Final[tuple[tuple[str, SampleName, LabelPairs], ...]] = (
+    ("blocks", "kvpressure_engine_kv_cache_blocks", (("state", "total"),)),
+    ("bytes", "kvpressure_engine_kv_cache_capacity_bytes", ()),
+    ("concurrency", "kvpressure_engine_kv_cache_max_concurrency", ()),
+)
+"""A summed ``cache_config_info`` fact (:func:`cache_config`), its gauge and output labels."""
 
 
 def _int_label(value: str | None) -> int | None:
@@ -191,11 +201,7 @@ def cache_config(index: MetricIndex) -> Iterable[Derived]:
         sizes = [r["block_size"] for r in ranks.values() if "block_size" in r]
         if sizes:
             out.append(Derived("kvpressure_engine_kv_cache_block_size_tokens", max(sizes), model))
-        for key, canonical, labels in (
-            ("blocks", "kvpressure_engine_kv_cache_blocks", (("state", "total"),)),
-            ("bytes", "kvpressure_engine_kv_cache_capacity_bytes", ()),
-            ("concurrency", "kvpressure_engine_kv_cache_max_concurrency", ()),
-        ):
+        for key, canonical, labels in _CACHE_FACTS:
             values = [r[key] for r in ranks.values() if key in r]
             if values:
                 out.append(Derived(canonical, sum(values), model, labels))
@@ -211,7 +217,7 @@ def _residency(event: str, source: str) -> Rule:
     )
 
 
-def _by_reason(canonical: str, source: str, kind: str = "gauge") -> Rule:
+def _by_reason(canonical: SampleName, source: str, kind: str = "gauge") -> Rule:
     return Rule(
         canonical,
         (source,),

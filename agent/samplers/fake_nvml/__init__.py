@@ -4,7 +4,9 @@
 same attributes as pynvml's structs) and error classes as nvidia-ml-py: a failing call raises
 ``pynvml.NVMLError(code)``, i.e. the real ``NVMLError_NotSupported``, ``NVMLError_GpuIsLost``,
 ... subclasses, so :mod:`agent.samplers.nvml_binding` classifies fake and real errors with the
-same code. It implements only the functions the GPU sampler uses.
+same code. It shares only :mod:`agent.samplers.nvml_codes` with the real binding (neither imports
+the other; :func:`agent.samplers.nvml_factory.bind` wraps it in a binding for ``fake:`` specs).
+It implements only the functions the GPU sampler uses.
 
 Profiles are YAML files in ``profiles/`` (package data), one per simulated machine, each with
 provenance notes saying where its values come from. Select one with ``gpu.binding:
@@ -33,7 +35,7 @@ from typing import Any
 
 import yaml
 
-from kvpressure.agent.samplers import nvml_binding as nb
+from kvpressure.agent.samplers import nvml_codes as nc
 
 MIB = 1024 * 1024
 """Bytes per MiB (nvidia-smi and the profiles count memory in MiB)."""
@@ -44,11 +46,11 @@ NO_ID = 0xFFFFFFFF
 ARCHITECTURES = {"ampere": 7, "ada": 8, "hopper": 9, "blackwell": 10}
 """``nvmlDeviceGetArchitecture`` values (``NVML_DEVICE_ARCH_*``)."""
 
-_REASON_BITS = dict(nb.CLOCK_EVENT_REASONS)
+_REASON_BITS = dict(nc.CLOCK_EVENT_REASONS)
 
 
 def _err(code: int) -> Exception:
-    return nb.make_error(code)
+    return nc.make_error(code)
 
 
 def list_profiles() -> list[str]:
@@ -124,7 +126,7 @@ class FakeGpmMetric:
 
     def __init__(self) -> None:
         self.metricId = 0
-        self.nvmlReturn = nb.NVML_SUCCESS
+        self.nvmlReturn = nc.NVML_SUCCESS
         self.value = 0.0
         self.metricInfo = Struct(shortName=None, longName=None, unit=None)
 
@@ -306,7 +308,7 @@ class FakeNvml:
         self._init_code = int(
             init_failure_code
             if init_failure_code is not None
-            else init.get("code", nb.NVML_ERROR_LIB_RM_VERSION_MISMATCH)
+            else init.get("code", nc.NVML_ERROR_LIB_RM_VERSION_MISMATCH)
         )
         self._broken_code: int | None = None
         count = int(gpus if gpus is not None else profile.get("gpus", 1))
@@ -364,8 +366,8 @@ class FakeNvml:
             gpm=None
             if gpm is None
             else {
-                nb.NVML_GPM_METRIC_DRAM_BW_UTIL: float(gpm.get("dram_bw_util", 0.0)),
-                nb.NVML_GPM_METRIC_SM_OCCUPANCY: float(gpm.get("sm_occupancy", 0.0)),
+                nc.NVML_GPM_METRIC_DRAM_BW_UTIL: float(gpm.get("dram_bw_util", 0.0)),
+                nc.NVML_GPM_METRIC_SM_OCCUPANCY: float(gpm.get("sm_occupancy", 0.0)),
             },
             pcie=None
             if pcie is None
@@ -409,8 +411,8 @@ class FakeNvml:
                     else {
                         k: float((inst.get("gpm") or {}).get(n, 0.0))
                         for k, n in (
-                            (nb.NVML_GPM_METRIC_DRAM_BW_UTIL, "dram_bw_util"),
-                            (nb.NVML_GPM_METRIC_SM_OCCUPANCY, "sm_occupancy"),
+                            (nc.NVML_GPM_METRIC_DRAM_BW_UTIL, "dram_bw_util"),
+                            (nc.NVML_GPM_METRIC_SM_OCCUPANCY, "sm_occupancy"),
                         )
                     },
                     pcie=None,
@@ -482,9 +484,9 @@ class FakeNvml:
             if dev.gpm is None:
                 raise KeyError(f"{dev.name} has no GPM in this profile")
             metric = (
-                nb.NVML_GPM_METRIC_DRAM_BW_UTIL
+                nc.NVML_GPM_METRIC_DRAM_BW_UTIL
                 if key == "dram_bw_util"
-                else nb.NVML_GPM_METRIC_SM_OCCUPANCY
+                else nc.NVML_GPM_METRIC_SM_OCCUPANCY
             )
             dev.gpm[metric] = float(v)
         elif key == "clocks_event_reasons":
@@ -523,7 +525,7 @@ class FakeNvml:
         dev = self.devices[index]
         data = Struct(
             device=dev,
-            eventType=nb.nvmlEventTypeXidCriticalError,
+            eventType=nc.nvmlEventTypeXidCriticalError,
             eventData=int(xid),
             gpuInstanceId=NO_ID,
             computeInstanceId=NO_ID,
@@ -535,7 +537,7 @@ class FakeNvml:
                     es.cond.notify_all()
 
     def break_driver(
-        self, code: int = nb.NVML_ERROR_LIB_RM_VERSION_MISMATCH, init_failures: int = 2
+        self, code: int = nc.NVML_ERROR_LIB_RM_VERSION_MISMATCH, init_failures: int = 2
     ) -> None:
         """Simulate a driver upgrade or reload under a running agent (case 06).
 
@@ -552,13 +554,13 @@ class FakeNvml:
         if self._broken_code is not None:
             raise _err(self._broken_code)
         if not self._initialized:
-            raise _err(nb.NVML_ERROR_UNINITIALIZED)
+            raise _err(nc.NVML_ERROR_UNINITIALIZED)
 
     def _dev(self, fn: str, handle: Any) -> FakeDevice:
         """Account a device call and apply faults; returns the device or raises."""
         self._enter(fn)
         if not isinstance(handle, FakeDevice):
-            raise _err(nb.NVML_ERROR_INVALID_ARGUMENT)
+            raise _err(nc.NVML_ERROR_INVALID_ARGUMENT)
         root = handle.parent or handle
         with self._lock:
             root.calls += 1
@@ -580,12 +582,12 @@ class FakeNvml:
                     root.lost = False
                     root.recover_after_calls = None
                 else:
-                    raise _err(nb.NVML_ERROR_GPU_IS_LOST)
+                    raise _err(nc.NVML_ERROR_GPU_IS_LOST)
             hang = root.hang_s
         if hang:
             time.sleep(hang)
         if fn in handle.not_supported:
-            raise _err(nb.NVML_ERROR_NOT_SUPPORTED)
+            raise _err(nc.NVML_ERROR_NOT_SUPPORTED)
         code = handle.errors.get(fn)
         if code is not None:
             raise _err(code)  # a recorded answer such as NO_PERMISSION
@@ -596,8 +598,8 @@ class FakeNvml:
         if dev.lost:
             try:
                 self._dev(fn, dev)
-            except nb.NVML_EXCEPTIONS:
-                raise _err(nb.NVML_ERROR_UNKNOWN) from None
+            except nc.NVML_EXCEPTIONS:
+                raise _err(nc.NVML_ERROR_UNKNOWN) from None
         return dev
 
     # ---- library -------------------------------------------------------------------------
@@ -616,7 +618,7 @@ class FakeNvml:
         with self._lock:
             self.calls["nvmlShutdown"] += 1
             if not self._initialized:
-                raise _err(nb.NVML_ERROR_UNINITIALIZED)
+                raise _err(nc.NVML_ERROR_UNINITIALIZED)
             self._initialized -= 1
 
     def nvmlSystemGetDriverVersion(self) -> str:
@@ -634,7 +636,7 @@ class FakeNvml:
         self._enter("nvmlSystemGetProcessName")
         name = self._names.get(int(pid))
         if name is None:
-            raise _err(nb.NVML_ERROR_NOT_FOUND)
+            raise _err(nc.NVML_ERROR_NOT_FOUND)
         return name
 
     # ---- device discovery ----------------------------------------------------------------
@@ -647,7 +649,7 @@ class FakeNvml:
         """``nvmlDeviceGetHandleByIndex``; a lost GPU answers ``Unknown Error`` (case 05)."""
         self._enter("nvmlDeviceGetHandleByIndex")
         if not 0 <= index < len(self.devices):
-            raise _err(nb.NVML_ERROR_INVALID_ARGUMENT)
+            raise _err(nc.NVML_ERROR_INVALID_ARGUMENT)
         return self._lookup("nvmlDeviceGetHandleByIndex", self.devices[index])
 
     def nvmlDeviceGetHandleByUUID(self, uuid: str) -> FakeDevice:
@@ -659,7 +661,7 @@ class FakeNvml:
             for m in dev.migs:
                 if m.uuid == uuid:
                     return m
-        raise _err(nb.NVML_ERROR_NOT_FOUND)
+        raise _err(nc.NVML_ERROR_NOT_FOUND)
 
     def nvmlDeviceGetIndex(self, handle: Any) -> int:
         """``nvmlDeviceGetIndex``."""
@@ -687,15 +689,15 @@ class FakeNvml:
         fn = "nvmlDeviceGetMemoryInfo_v2" if version else "nvmlDeviceGetMemoryInfo"
         dev = self._dev(fn, handle)
         if dev.memory_total is None:
-            raise _err(nb.NVML_ERROR_NOT_SUPPORTED)
+            raise _err(nc.NVML_ERROR_NOT_SUPPORTED)
         if dev.mig_enabled:
             used = sum(m.memory_used for m in dev.migs) + dev.memory_used
         else:
             used = dev.memory_used
         free = max(0, dev.memory_total - dev.memory_reserved - used)
         if version:
-            if version != nb.nvmlMemory_v2:
-                raise _err(nb.NVML_ERROR_ARGUMENT_VERSION_MISMATCH)
+            if version != nc.nvmlMemory_v2:
+                raise _err(nc.NVML_ERROR_ARGUMENT_VERSION_MISMATCH)
             return Struct(
                 version=version,
                 total=dev.memory_total,
@@ -712,23 +714,23 @@ class FakeNvml:
         """
         dev = self._dev("nvmlDeviceGetUtilizationRates", handle)
         if dev.parent is not None or dev.mig_enabled or dev.util_gpu is None:
-            raise _err(nb.NVML_ERROR_NOT_SUPPORTED)
+            raise _err(nc.NVML_ERROR_NOT_SUPPORTED)
         return Struct(gpu=int(dev.util_gpu), memory=int(dev.util_memory or 0))
 
     def nvmlDeviceGetPowerUsage(self, handle: Any) -> int:
         """``nvmlDeviceGetPowerUsage`` in milliwatts."""
         dev = self._dev("nvmlDeviceGetPowerUsage", handle)
         if dev.parent is not None or dev.power_mw is None:
-            raise _err(nb.NVML_ERROR_NOT_SUPPORTED)
+            raise _err(nc.NVML_ERROR_NOT_SUPPORTED)
         return dev.power_mw
 
     def nvmlDeviceGetTemperature(self, handle: Any, sensor: int) -> int:
         """``nvmlDeviceGetTemperature(handle, NVML_TEMPERATURE_GPU)`` in °C."""
         dev = self._dev("nvmlDeviceGetTemperature", handle)
-        if sensor != nb.NVML_TEMPERATURE_GPU:
-            raise _err(nb.NVML_ERROR_INVALID_ARGUMENT)
+        if sensor != nc.NVML_TEMPERATURE_GPU:
+            raise _err(nc.NVML_ERROR_INVALID_ARGUMENT)
         if dev.parent is not None or dev.temperature_c is None:
-            raise _err(nb.NVML_ERROR_NOT_SUPPORTED)
+            raise _err(nc.NVML_ERROR_NOT_SUPPORTED)
         return int(dev.temperature_c)
 
     def nvmlDeviceGetCurrentClocksEventReasons(self, handle: Any) -> int:
@@ -742,7 +744,7 @@ class FakeNvml:
     def _clocks(self, fn: str, handle: Any) -> int:
         dev = self._dev(fn, handle)
         if dev.parent is not None or dev.clock_reasons is None:
-            raise _err(nb.NVML_ERROR_NOT_SUPPORTED)
+            raise _err(nc.NVML_ERROR_NOT_SUPPORTED)
         return dev.clock_reasons
 
     def nvmlDeviceGetComputeRunningProcesses(self, handle: Any) -> list[Struct]:
@@ -782,30 +784,30 @@ class FakeNvml:
         for fid in fieldIds:
             fid_, scope = fid if isinstance(fid, tuple) else (fid, 0)
             ret, vtype, value = (
-                nb.NVML_ERROR_NOT_SUPPORTED,
-                nb.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG,
+                nc.NVML_ERROR_NOT_SUPPORTED,
+                nc.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG,
                 0.0,
             )
             with self._lock:
-                if fid_ in (nb.NVML_FI_DEV_PCIE_COUNT_TX_BYTES, nb.NVML_FI_DEV_PCIE_COUNT_RX_BYTES):
+                if fid_ in (nc.NVML_FI_DEV_PCIE_COUNT_TX_BYTES, nc.NVML_FI_DEV_PCIE_COUNT_RX_BYTES):
                     if dev.pcie is not None and dev.parent is None:
-                        d = "tx" if fid_ == nb.NVML_FI_DEV_PCIE_COUNT_TX_BYTES else "rx"
-                        ret, value = nb.NVML_SUCCESS, dev.pcie[d].read(now)
-                elif fid_ == nb.NVML_FI_DEV_NVLINK_LINK_COUNT:
+                        d = "tx" if fid_ == nc.NVML_FI_DEV_PCIE_COUNT_TX_BYTES else "rx"
+                        ret, value = nc.NVML_SUCCESS, dev.pcie[d].read(now)
+                elif fid_ == nc.NVML_FI_DEV_NVLINK_LINK_COUNT:
                     if dev.nvlink_links is not None and dev.parent is None:
                         ret, vtype, value = (
-                            nb.NVML_SUCCESS,
-                            nb.NVML_VALUE_TYPE_UNSIGNED_INT,
+                            nc.NVML_SUCCESS,
+                            nc.NVML_VALUE_TYPE_UNSIGNED_INT,
                             float(dev.nvlink_links),
                         )
                 elif fid_ in (
-                    nb.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX,
-                    nb.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX,
+                    nc.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX,
+                    nc.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX,
                 ):
-                    d = "tx" if fid_ == nb.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX else "rx"
+                    d = "tx" if fid_ == nc.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX else "rx"
                     links = dev.nvlink.get(d) or []
                     if 0 <= scope < len(links):
-                        ret, value = nb.NVML_SUCCESS, links[scope].read(now)
+                        ret, value = nc.NVML_SUCCESS, links[scope].read(now)
             out.append(
                 Struct(
                     fieldId=fid_,
@@ -824,22 +826,22 @@ class FakeNvml:
         """``nvmlDeviceGetMigMode`` → ``[current, pending]``; NOT_SUPPORTED without MIG."""
         dev = self._dev("nvmlDeviceGetMigMode", handle)
         if dev.parent is not None or not dev.mig_capable:
-            raise _err(nb.NVML_ERROR_NOT_SUPPORTED)
-        mode = nb.NVML_DEVICE_MIG_ENABLE if dev.migs else 0
+            raise _err(nc.NVML_ERROR_NOT_SUPPORTED)
+        mode = nc.NVML_DEVICE_MIG_ENABLE if dev.migs else 0
         return [mode, mode]
 
     def nvmlDeviceGetMaxMigDeviceCount(self, handle: Any) -> int:
         """``nvmlDeviceGetMaxMigDeviceCount``."""
         dev = self._dev("nvmlDeviceGetMaxMigDeviceCount", handle)
         if not dev.mig_capable:
-            raise _err(nb.NVML_ERROR_NOT_SUPPORTED)
+            raise _err(nc.NVML_ERROR_NOT_SUPPORTED)
         return dev.mig_max
 
     def nvmlDeviceGetMigDeviceHandleByIndex(self, handle: Any, index: int) -> FakeDevice:
         """``nvmlDeviceGetMigDeviceHandleByIndex``; NOT_FOUND for empty slots."""
         dev = self._dev("nvmlDeviceGetMigDeviceHandleByIndex", handle)
         if not 0 <= index < len(dev.migs):
-            raise _err(nb.NVML_ERROR_NOT_FOUND)
+            raise _err(nc.NVML_ERROR_NOT_FOUND)
         return dev.migs[index]
 
     def nvmlDeviceIsMigDeviceHandle(self, handle: Any) -> int:
@@ -850,21 +852,21 @@ class FakeNvml:
         """``nvmlDeviceGetGpuInstanceId`` of a MIG device handle."""
         dev = self._dev("nvmlDeviceGetGpuInstanceId", handle)
         if dev.parent is None:
-            raise _err(nb.NVML_ERROR_INVALID_ARGUMENT)
+            raise _err(nc.NVML_ERROR_INVALID_ARGUMENT)
         return dev.gi
 
     def nvmlDeviceGetComputeInstanceId(self, handle: Any) -> int:
         """``nvmlDeviceGetComputeInstanceId`` of a MIG device handle."""
         dev = self._dev("nvmlDeviceGetComputeInstanceId", handle)
         if dev.parent is None:
-            raise _err(nb.NVML_ERROR_INVALID_ARGUMENT)
+            raise _err(nc.NVML_ERROR_INVALID_ARGUMENT)
         return dev.ci
 
     def nvmlDeviceGetDeviceHandleFromMigDeviceHandle(self, handle: Any) -> FakeDevice:
         """``nvmlDeviceGetDeviceHandleFromMigDeviceHandle``."""
         dev = self._dev("nvmlDeviceGetDeviceHandleFromMigDeviceHandle", handle)
         if dev.parent is None:
-            raise _err(nb.NVML_ERROR_INVALID_ARGUMENT)
+            raise _err(nc.NVML_ERROR_INVALID_ARGUMENT)
         return dev.parent
 
     # ---- GPM -----------------------------------------------------------------------------
@@ -887,7 +889,7 @@ class FakeNvml:
         """``nvmlGpmSampleGet``: records what the device shows now."""
         dev = self._dev("nvmlGpmSampleGet", handle)
         if dev.gpm is None:
-            raise _err(nb.NVML_ERROR_NOT_SUPPORTED)
+            raise _err(nc.NVML_ERROR_NOT_SUPPORTED)
         sample.values = dict(dev.gpm)
         sample.taken = True
         return sample
@@ -899,9 +901,9 @@ class FakeNvml:
         dev = self._dev("nvmlGpmMigSampleGet", handle)
         inst = next((m for m in dev.migs if m.gi == gpuInstanceId), None)
         if inst is None:
-            raise _err(nb.NVML_ERROR_NOT_FOUND)
+            raise _err(nc.NVML_ERROR_NOT_FOUND)
         if inst.gpm is None:
-            raise _err(nb.NVML_ERROR_NOT_SUPPORTED)
+            raise _err(nc.NVML_ERROR_NOT_SUPPORTED)
         sample.values = dict(inst.gpm)
         sample.taken = True
         return sample
@@ -913,15 +915,15 @@ class FakeNvml:
         """
         self._enter("nvmlGpmMetricsGet")
         s1, s2 = metricsGet.sample1, metricsGet.sample2
-        if metricsGet.version != nb.NVML_GPM_METRICS_GET_VERSION:
-            raise _err(nb.NVML_ERROR_ARGUMENT_VERSION_MISMATCH)
+        if metricsGet.version != nc.NVML_GPM_METRICS_GET_VERSION:
+            raise _err(nc.NVML_ERROR_ARGUMENT_VERSION_MISMATCH)
         if s1 is None or s2 is None or not s1.taken or not s2.taken:
-            raise _err(nb.NVML_ERROR_INVALID_ARGUMENT)
+            raise _err(nc.NVML_ERROR_INVALID_ARGUMENT)
         for m in metricsGet.metrics[: metricsGet.numMetrics]:
             if m.metricId in s2.values:
-                m.nvmlReturn, m.value = nb.NVML_SUCCESS, s2.values[m.metricId]
+                m.nvmlReturn, m.value = nc.NVML_SUCCESS, s2.values[m.metricId]
             else:
-                m.nvmlReturn, m.value = nb.NVML_ERROR_NOT_SUPPORTED, 0.0
+                m.nvmlReturn, m.value = nc.NVML_ERROR_NOT_SUPPORTED, 0.0
         return metricsGet
 
     # ---- events --------------------------------------------------------------------------
@@ -935,13 +937,13 @@ class FakeNvml:
     def nvmlDeviceGetSupportedEventTypes(self, handle: Any) -> int:
         """``nvmlDeviceGetSupportedEventTypes``."""
         dev = self._dev("nvmlDeviceGetSupportedEventTypes", handle)
-        return nb.nvmlEventTypeXidCriticalError if dev.xid_events else 0
+        return nc.nvmlEventTypeXidCriticalError if dev.xid_events else 0
 
     def nvmlDeviceRegisterEvents(self, handle: Any, eventTypes: int, eventSet: _EventSet) -> None:
         """``nvmlDeviceRegisterEvents``; NOT_SUPPORTED where the device has no such events."""
         dev = self._dev("nvmlDeviceRegisterEvents", handle)
-        if not dev.xid_events or not eventTypes & nb.nvmlEventTypeXidCriticalError:
-            raise _err(nb.NVML_ERROR_NOT_SUPPORTED)
+        if not dev.xid_events or not eventTypes & nc.nvmlEventTypeXidCriticalError:
+            raise _err(nc.NVML_ERROR_NOT_SUPPORTED)
         eventSet.devices.add(id(dev))
 
     def nvmlEventSetWait_v2(self, eventSet: _EventSet, timeoutms: int) -> Struct:
@@ -951,7 +953,7 @@ class FakeNvml:
             if not eventSet.queue and timeoutms > 0:
                 eventSet.cond.wait(timeoutms / 1000.0)
             if not eventSet.queue:
-                raise _err(nb.NVML_ERROR_TIMEOUT)
+                raise _err(nc.NVML_ERROR_TIMEOUT)
             return eventSet.queue.popleft()
 
     def nvmlEventSetWait(self, eventSet: _EventSet, timeoutms: int) -> Struct:

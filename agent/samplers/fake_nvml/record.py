@@ -25,26 +25,29 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kvpressure.agent.samplers import nvml_binding as nb
+from kvpressure.agent.samplers import nvml_codes as nc
 from kvpressure.agent.samplers.fake_nvml import ARCHITECTURES, MIB
+
+if TYPE_CHECKING:
+    from kvpressure.agent.samplers.nvml_binding import NvmlBinding
 
 _ARCH_NAMES = {v: k for k, v in ARCHITECTURES.items()}
 
 
 class _Recorder:
-    def __init__(self, nv: nb.NvmlBinding) -> None:
+    def __init__(self, nv: NvmlBinding) -> None:
         self.nv = nv
 
     def ask(self, errors: dict[str, int], fn: str, call: Callable[[], Any]) -> Any:
         """``call()``; ``None`` on an NVML error (non-NOT_SUPPORTED codes go to ``errors``)."""
         try:
             return call()
-        except nb.NvmlError as exc:
-            if exc.kind in nb.LIBRARY_KINDS:
+        except nc.NvmlError as exc:
+            if exc.kind in nc.LIBRARY_KINDS:
                 raise
-            if exc.kind != nb.UNSUPPORTED:
+            if exc.kind != nc.UNSUPPORTED:
                 errors[fn] = exc.code
             return None
 
@@ -142,14 +145,14 @@ class _Recorder:
         errors = spec["errors"]
         mode = self.ask(errors, "nvmlDeviceGetMigMode", lambda: nv.call("nvmlDeviceGetMigMode", h))
         spec["mig_capable"] = mode is not None
-        if mode is None or int(mode[0]) != nb.NVML_DEVICE_MIG_ENABLE:
+        if mode is None or int(mode[0]) != nc.NVML_DEVICE_MIG_ENABLE:
             return
         out: list[dict[str, Any]] = []
         for i in range(int(nv.call("nvmlDeviceGetMaxMigDeviceCount", h))):
             try:
                 mh = nv.call("nvmlDeviceGetMigDeviceHandleByIndex", h, i)
-            except nb.NvmlError as exc:
-                if exc.kind in nb.LIBRARY_KINDS:
+            except nc.NvmlError as exc:
+                if exc.kind in nc.LIBRARY_KINDS:
                     raise
                 continue
             inst = self.device(mh, mig=True)
@@ -163,17 +166,17 @@ class _Recorder:
     def links(self, h: Any) -> int | None:
         """NVLink link count (``NVML_FI_DEV_NVLINK_LINK_COUNT``), ``None`` when unknown."""
         try:
-            fv = self.nv.call("nvmlDeviceGetFieldValues", h, [nb.NVML_FI_DEV_NVLINK_LINK_COUNT])
-        except nb.NvmlError as exc:
-            if exc.kind in nb.LIBRARY_KINDS:
+            fv = self.nv.call("nvmlDeviceGetFieldValues", h, [nc.NVML_FI_DEV_NVLINK_LINK_COUNT])
+        except nc.NvmlError as exc:
+            if exc.kind in nc.LIBRARY_KINDS:
                 raise
             return None
-        count = nb.field_value(fv[0])
+        count = nc.field_value(fv[0])
         return None if count is None else int(count)
 
 
 def _rates(
-    binding: nb.NvmlBinding, seconds: float, sleep: Callable[[float], None]
+    binding: NvmlBinding, seconds: float, sleep: Callable[[float], None]
 ) -> dict[str, dict[str, Any]]:
     """GPM, PCIe and NVLink rates per GPU uuid, measured by the GPU sampler over ``seconds``."""
     from kvpressure.agent.samplers.gpu import SLOW_INTERVAL_S, GpuSampler
@@ -210,14 +213,14 @@ def _rates(
 
 
 def record(
-    binding: nb.NvmlBinding,
+    binding: NvmlBinding,
     seconds: float = 1.0,
     sleep: Callable[[float], None] = time.sleep,
 ) -> dict[str, Any]:
     """Ask NVML everything the GPU sampler uses and return it as a fake NVML profile.
 
     Args:
-        binding: the NVML binding to record (``nb.bind("nvml")`` for the real GPU; a fake
+        binding: the NVML binding to record (``nvml_factory.bind("nvml")`` for the real GPU; a fake
             binding records what the fake answers, for tests).
         seconds: how long the rates (GPM, PCIe, NVLink) are measured.
         sleep: waits ``seconds`` (tests pass a fake).
@@ -228,7 +231,7 @@ def record(
         :func:`agent.samplers.fake_nvml.load_profile` once written as YAML.
 
     Raises:
-        nb.NvmlError: the library could not be initialised or answered with a library
+        nc.NvmlError: the library could not be initialised or answered with a library
             error (driver not loaded, version mismatch).
     """
     rates = _rates(binding, seconds, sleep)
