@@ -1,7 +1,8 @@
 """Metric names are typed by the catalogue: a misspelt name fails ``mypy``, not production.
 
 Every way a sample is made takes a :data:`agent.catalogue.SampleName` (``Batch.add``,
-``Batch.add_labelled``, ``Sample``, the engine tables' ``Rule``/``Derived``/``WindowRatio``) or
+``Batch.add_labelled``, ``Sample``, the engine tables' ``Rule``/``Derived``/``WindowRatio``), and
+every name attribution reads (``@reads`` on a rule, the ``Signals`` lookups) is one too, or
 a :data:`agent.catalogue.HistogramName` (``histogram_names``, ``Rule.export``). The proof runs
 the project's own mypy configuration on a snippet holding each call twice, once spelt right and
 once with a typo, and checks mypy rejects exactly the misspelt lines (a comparison of a
@@ -53,6 +54,15 @@ CASES = (
         'catalogue.histogram_names("kvpressure_request_latency_second")',
     ),
     ("Batch().add(catalogue.GPU_UP, 1.0)", "Batch().add(catalogue.GPU_UPP, 1.0)"),
+    # attribution: what a rule declares it reads, and what it reads from the signals
+    (
+        'reads("kvpressure_engine_preemptions_total")',
+        'reads("kvpressure_engine_preemption_total")',
+    ),
+    (
+        'Signals({}).gauge_max("kvpressure_engine_kv_cache_usage_ratio", 0.0, 1.0)',
+        'Signals({}).gauge_max("kvpressure_engine_kv_cache_usage_ratoi", 0.0, 1.0)',
+    ),
     # reading: a comparison with a name no sample can have (mypy's strict_equality)
     (
         'assert Sample("kvpressure_gpu_up", 1.0).name == "kvpressure_gpu_up"',
@@ -62,6 +72,8 @@ CASES = (
 
 HEADER = """\
 from kvpressure.agent import catalogue
+from kvpressure.agent.attribution.rules import reads
+from kvpressure.agent.attribution.signals import Signals
 from kvpressure.agent.samplers.engines.normalize import Derived, Rule, WindowRatio
 from kvpressure.agent.samples import Batch, Sample
 """

@@ -143,6 +143,7 @@ from dataclasses import dataclass, field
 
 from kvpressure.agent.attribution.model import ENGINE_METRICS, ENGINE_METRICS_STALE, Cause, Evidence
 from kvpressure.agent.attribution.signals import Signals
+from kvpressure.agent.catalogue import SampleName
 from kvpressure.agent.requests.record import RequestRecord
 
 THROTTLE_REASONS = frozenset(
@@ -203,7 +204,7 @@ class Measurement:
     """A rule's observed value and where it came from."""
 
     value: float
-    metric: str
+    metric: SampleName | str
     labels: Mapping[str, str] = field(default_factory=dict)
 
 
@@ -236,7 +237,7 @@ Measure = Callable[[Signals, Scope, Params], Measurement | None]
 _READS: dict[Measure, tuple[str, ...]] = {}
 
 
-def reads(*metrics: str) -> Callable[[Measure], Measure]:
+def reads(*metrics: SampleName) -> Callable[[Measure], Measure]:
     """Declare the timeline metrics a rule's measure reads (decorator).
 
     :data:`METRICS_READ`, the metrics the attribution sampler loads from the timeline, is
@@ -309,15 +310,15 @@ def ramp(value: float, threshold: float, saturation: float) -> float:
 
 # --- helpers ---------------------------------------------------------------------------------
 
-ENGINE_UP = "kvpressure_engine_up"
-PSI = "kvpressure_psi_stall_seconds_total"
-PSI_AVG10 = "kvpressure_psi_avg10_ratio"
-CGROUP_USED = "kvpressure_cgroup_memory_used_bytes"
-CGROUP_LIMIT = "kvpressure_cgroup_memory_limit_bytes"
-CGROUP_EVENTS = "kvpressure_cgroup_memory_events_total"
-GPU_PROCESSES = "kvpressure_gpu_process_memory_bytes"
+ENGINE_UP: SampleName = "kvpressure_engine_up"
+PSI: SampleName = "kvpressure_psi_stall_seconds_total"
+PSI_AVG10: SampleName = "kvpressure_psi_avg10_ratio"
+CGROUP_USED: SampleName = "kvpressure_cgroup_memory_used_bytes"
+CGROUP_LIMIT: SampleName = "kvpressure_cgroup_memory_limit_bytes"
+CGROUP_EVENTS: SampleName = "kvpressure_cgroup_memory_events_total"
+GPU_PROCESSES: SampleName = "kvpressure_gpu_process_memory_bytes"
 """Read by :func:`gpu_filter` (the engine's GPUs): every GPU rule declares it."""
-NET_ERRORS = (
+NET_ERRORS: tuple[SampleName, ...] = (
     "kvpressure_net_receive_errors_total",
     "kvpressure_net_transmit_errors_total",
     "kvpressure_net_receive_drops_total",
@@ -348,7 +349,7 @@ ENGINE_DOWN_SHARE = 0.25
 count as unavailable for it."""
 
 
-STATS_STALE = "kvpressure_engine_stats_stale"
+STATS_STALE: SampleName = "kvpressure_engine_stats_stale"
 
 
 def engine_stale(sig: Signals, sc: Scope) -> bool:
@@ -396,7 +397,7 @@ def gpu_filter(sig: Signals, sc: Scope) -> Callable[[Mapping[str, str]], bool]:
 # --- memory -------------------------------------------------------------------------------
 
 
-QUEUE_GAUGES = (
+QUEUE_GAUGES: tuple[SampleName, ...] = (
     "kvpressure_engine_requests_waiting",
     "kvpressure_engine_slots",
     "kvpressure_engine_requests_running",
@@ -519,7 +520,7 @@ def _kv_cache_usage(sig: Signals, sc: Scope, p: Params) -> Measurement | None:
 
 @reads("kvpressure_engine_preemptions_total")
 def _preemptions(sig: Signals, sc: Scope, p: Params) -> Measurement | None:
-    name = "kvpressure_engine_preemptions_total"
+    name: SampleName = "kvpressure_engine_preemptions_total"
     v = sig.counter_increase(name, sc.a, sc.b, engine_match(sc))
     return None if v is None else Measurement(v, name)
 
@@ -530,8 +531,8 @@ def _preemptions(sig: Signals, sc: Scope, p: Params) -> Measurement | None:
 )
 def _prefix_cache_collapse(sig: Signals, sc: Scope, p: Params) -> Measurement | None:
     m = engine_match(sc)
-    q_name = "kvpressure_engine_prefix_cache_queried_tokens_total"
-    h_name = "kvpressure_engine_prefix_cache_hit_tokens_total"
+    q_name: SampleName = "kvpressure_engine_prefix_cache_queried_tokens_total"
+    h_name: SampleName = "kvpressure_engine_prefix_cache_hit_tokens_total"
     q_now = sig.counter_increase(q_name, sc.a, sc.b, m)
     h_now = sig.counter_increase(h_name, sc.a, sc.b, m)
     q_base = sig.counter_increase(q_name, sc.a - PREFIX_BASELINE_S, sc.a, m)
@@ -574,7 +575,7 @@ def _psi(resource: str, kind: str) -> Measure:
     return measure
 
 
-def _host_rate(name: str) -> Measure:
+def _host_rate(name: SampleName) -> Measure:
     @reads(name)
     def measure(sig: Signals, sc: Scope, p: Params) -> Measurement | None:
         v = sig.counter_rate(name, sc.a, sc.b)
@@ -629,7 +630,7 @@ def _kv_exhausted(sig: Signals, sc: Scope, p: Params) -> Measurement | None:
 # --- storage ------------------------------------------------------------------------------
 
 
-def _disk_rate_max(name: str) -> Measure:
+def _disk_rate_max(name: SampleName) -> Measure:
     @reads(name)
     def measure(sig: Signals, sc: Scope, p: Params) -> Measurement | None:
         got = sig.counter_rate_max(name, sc.a, sc.b)
@@ -720,7 +721,7 @@ def _gpu_throttle(sig: Signals, sc: Scope, p: Params) -> Measurement | None:
 @reads(GPU_PROCESSES, "kvpressure_accelerator_stall_seconds_total")
 def _accelerator_stall(sig: Signals, sc: Scope, p: Params) -> Measurement | None:
     keep = gpu_filter(sig, sc)
-    name = "kvpressure_accelerator_stall_seconds_total"
+    name: SampleName = "kvpressure_accelerator_stall_seconds_total"
     best: Measurement | None = None
     rates: dict[str, float] = {}
     for s in sig.series(name):
@@ -894,7 +895,7 @@ RESIDUAL_EXPLAINED_BY = frozenset(
 """Causes that explain a TTFT not spent in prefill: a stalled engine is slow to start
 prefill, and a request waiting for a slot or behind another prefill is waiting."""
 
-EVALUATE_READS: tuple[str, ...] = (ENGINE_UP, STATS_STALE)
+EVALUATE_READS: tuple[SampleName, ...] = (ENGINE_UP, STATS_STALE)
 """Read by :func:`evaluate` itself (:func:`engine_unavailable`, :func:`engine_stale`),
 besides the rules."""
 

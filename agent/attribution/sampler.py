@@ -40,6 +40,7 @@ from kvpressure.agent.attribution.model import ALL_CAUSES, CAUSES, UNKNOWN, Attr
 from kvpressure.agent.attribution.rules import LONG_LOOKBACK, METRICS_READ
 from kvpressure.agent.attribution.signals import Signals
 from kvpressure.agent.attribution.store import AttributionStore, RequestSummary
+from kvpressure.agent.catalogue import SampleName
 from kvpressure.agent.pipeline import Sampler
 from kvpressure.agent.requests.record import RequestRecord, RequestStream
 from kvpressure.agent.samples import Batch
@@ -47,7 +48,7 @@ from kvpressure.agent.timeline import Timeline
 
 log = logging.getLogger(__name__)
 
-ENGINE_LATENCY = "kvpressure_engine_latency_seconds"
+ENGINE_LATENCY: SampleName = "kvpressure_engine_latency_seconds"
 """Engine-reported windowed latency quantiles, used for windows without request records."""
 
 MAX_WINDOWS_PER_CYCLE = 6
@@ -59,8 +60,8 @@ MAX_NEIGHBOURS = 4096
 NEIGHBOUR_HORIZON_S = 600.0
 """Records that ended longer ago than this are no candidate blockers."""
 
-RUNNING = "kvpressure_engine_requests_running"
-STATS_STALE = "kvpressure_engine_stats_stale"
+RUNNING: SampleName = "kvpressure_engine_requests_running"
+STATS_STALE: SampleName = "kvpressure_engine_stats_stale"
 
 
 def _tail_quantile(labels: Mapping[str, str]) -> bool:

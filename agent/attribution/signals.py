@@ -17,6 +17,7 @@ import bisect
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
+from kvpressure.agent.catalogue import SampleName
 from kvpressure.agent.timeline import Timeline
 
 
@@ -162,20 +163,20 @@ class Signals:
         """Metric names held."""
         return list(self._data)
 
-    def series(self, name: str, match: Mapping[str, str] | None = None) -> Iterator[Series]:
+    def series(self, name: SampleName, match: Mapping[str, str] | None = None) -> Iterator[Series]:
         """Yield the series of ``name`` whose labels include ``match``."""
         for s in self._data.get(name, ()):
             if _matches(s.labels, match):
                 yield s
 
-    def has(self, name: str, match: Mapping[str, str] | None = None) -> bool:
+    def has(self, name: SampleName, match: Mapping[str, str] | None = None) -> bool:
         """True when at least one series of ``name`` matches."""
         return any(True for _ in self.series(name, match))
 
     # --- gauges ----------------------------------------------------------------------------
 
     def gauge_values(
-        self, name: str, a: float, b: float, match: Mapping[str, str] | None = None
+        self, name: SampleName, a: float, b: float, match: Mapping[str, str] | None = None
     ) -> list[float]:
         """All values of matching series in ``[a, b]`` (held values included)."""
         out: list[float] = []
@@ -184,21 +185,21 @@ class Signals:
         return out
 
     def gauge_max(
-        self, name: str, a: float, b: float, match: Mapping[str, str] | None = None
+        self, name: SampleName, a: float, b: float, match: Mapping[str, str] | None = None
     ) -> float | None:
         """Largest value of matching series over ``[a, b]``; ``None`` when there is none."""
         vals = self.gauge_values(name, a, b, match)
         return max(vals) if vals else None
 
     def gauge_min(
-        self, name: str, a: float, b: float, match: Mapping[str, str] | None = None
+        self, name: SampleName, a: float, b: float, match: Mapping[str, str] | None = None
     ) -> float | None:
         """Smallest value of matching series over ``[a, b]``; ``None`` when there is none."""
         vals = self.gauge_values(name, a, b, match)
         return min(vals) if vals else None
 
     def gauge_by_time(
-        self, name: str, a: float, b: float, match: Mapping[str, str] | None = None
+        self, name: SampleName, a: float, b: float, match: Mapping[str, str] | None = None
     ) -> dict[float, float]:
         """Sample time to the sum of matching series' values at that time over ``[a, b]``.
 
@@ -214,7 +215,7 @@ class Signals:
     # --- counters --------------------------------------------------------------------------
 
     def counter_rate(
-        self, name: str, a: float, b: float, match: Mapping[str, str] | None = None
+        self, name: SampleName, a: float, b: float, match: Mapping[str, str] | None = None
     ) -> float | None:
         """Sum over matching series of their per-second rate over ``[a, b]``.
 
@@ -228,7 +229,7 @@ class Signals:
         return total
 
     def counter_rate_max(
-        self, name: str, a: float, b: float, match: Mapping[str, str] | None = None
+        self, name: SampleName, a: float, b: float, match: Mapping[str, str] | None = None
     ) -> tuple[float, Mapping[str, str]] | None:
         """The largest per-series rate over ``[a, b]`` and that series' labels."""
         best: tuple[float, Mapping[str, str]] | None = None
@@ -239,7 +240,7 @@ class Signals:
         return best
 
     def counter_increase(
-        self, name: str, a: float, b: float, match: Mapping[str, str] | None = None
+        self, name: SampleName, a: float, b: float, match: Mapping[str, str] | None = None
     ) -> float | None:
         """Sum over matching series of their increase over ``[a, b]``."""
         total: float | None = None
