@@ -234,17 +234,17 @@ class KeptAlive:
             ``timeout``, ``too_large``, ``transport``), or ``None`` when this response is
             outside what this reader speaks (the caller then asks httpx).
         """
-        if not self.usable:
+        if not self.usable or not path.isascii():
             return None
-        request = f"GET {path} HTTP/1.1\r\n".encode("latin-1") + self._head
+        request = f"GET {path} HTTP/1.1\r\n".encode("ascii") + self._head
         reused = self._sock is not None
         try:
             try:
                 return self._exchange(request, deadline, max_bytes)
             except _Stale:
+                self.close()
                 if not reused:
                     return HttpResult(None, None, "", "transport")
-                self.close()
                 return self._exchange(request, deadline, max_bytes)
         except _Stale:
             self.close()
