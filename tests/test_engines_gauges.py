@@ -201,6 +201,13 @@ def test_gauge_lines_cuts_only_the_named_families_in_body_order() -> None:
     got = gauge_lines(body, ["vllm:num_requests_waiting", "vllm:num_requests_running"])
     assert got == BODY + "# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting 4\n"
     assert gauge_lines(body, ["absent"]) == ""
+    # the name inside another line's label value or HELP text is not that family's line
+    other = (
+        '# HELP x_info see vllm:num_requests_waiting\nx_info{of="vllm:num_requests_waiting"} 1\n'
+    )
+    assert gauge_lines(other + body, ["vllm:num_requests_waiting"]) == (
+        "# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting 4\n"
+    )
 
 
 class _Exposition(BaseHTTPRequestHandler):

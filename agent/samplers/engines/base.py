@@ -589,20 +589,21 @@ def gauge_lines(body: str, names: Iterable[str]) -> str:
     Returns:
         Their ``# HELP``/``# TYPE`` lines and sample lines (a name followed by ``{``, a
         space, a tab or the line's end), joined with newlines; ``""`` when none occurs.
-        Found by ``str.find`` per name, so the cost grows with the names, not the lines.
+        Found by one ``str.find`` pass per name: the cost grows with the names, not the
+        lines.
     """
-    text = "\n" + body
     found: list[tuple[int, str]] = []
     for name in names:
-        for needle in ("\n# HELP " + name, "\n# TYPE " + name, "\n" + name):
-            at = len(needle)
-            i = text.find(needle)
-            while i >= 0:
-                end = text.find("\n", i + 1)
-                if end < 0:
-                    end = len(text)
-                if text[i + at : i + at + 1] in ("", " ", "\t", "{", "\r", "\n"):
-                    found.append((i, text[i + 1 : end]))
-                i = text.find(needle, end)
+        # one search per name: each hit is kept when it starts a sample line or is the
+        # name of a ``# HELP``/``# TYPE`` line (most names occur only on their own lines)
+        size = len(name)
+        i = body.find(name)
+        while i >= 0:
+            if body[i + size : i + size + 1] in ("", " ", "\t", "{", "\r", "\n"):
+                start = body.rfind("\n", 0, i) + 1
+                if i == start or body[start:i] in ("# HELP ", "# TYPE "):
+                    end = body.find("\n", i)
+                    found.append((start, body[start : end if end >= 0 else len(body)]))
+            i = body.find(name, i + size)
     found.sort()
     return "".join(line + "\n" for _, line in found)
