@@ -90,6 +90,19 @@ class HostSamplerConfig(SamplerToggle):
     memory_cgroup: Literal["self", "none"] = "self"
 
 
+class EnginesSamplerConfig(SamplerToggle):
+    """The engine samplers' switch, interval, and the fast path for their gauges.
+
+    Attributes:
+        gauges_interval_s: seconds between reads of each engine's KV-cache usage and
+            running/waiting requests alone, between the full scrapes every ``interval_s``
+            (:class:`agent.samplers.engines.base.EngineGaugeSampler`); ``null`` (default):
+            no fast path, those gauges come with the full scrape.
+    """
+
+    gauges_interval_s: Seconds | None = Field(default=None, ge=0.05, le=3600)
+
+
 class SamplersConfig(_Model):
     """Which stages run: one ``enabled``/``interval_s`` switch per registered stage.
 
@@ -101,7 +114,7 @@ class SamplersConfig(_Model):
 
     host: HostSamplerConfig = HostSamplerConfig()
     gpu: SamplerToggle = SamplerToggle()
-    engines: SamplerToggle = SamplerToggle()
+    engines: EnginesSamplerConfig = EnginesSamplerConfig()
     accelerator: SamplerToggle = SamplerToggle()
     requests: SamplerToggle = SamplerToggle()
     capacity: SamplerToggle = SamplerToggle()

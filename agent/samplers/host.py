@@ -35,14 +35,16 @@ is re-probed every :data:`PSI_REPROBE_S` seconds, not every cycle.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
 import re
+import threading
 import time
 from collections.abc import Callable, Container
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Final, TypeVar
 
 from kvpressure.agent.pipeline import Context, Plan, Stage, register
 from kvpressure.agent.samplers.base import LogOnce, Sampler
@@ -96,11 +98,78 @@ _open = open
 """The opener :func:`_read_text` uses; tests replace it to simulate ``read()`` errors."""
 
 
+KEPT_FILES: Final = 256
+"""Files kept open between cycles at most (all are closed and reopened beyond)."""
+_kept: dict[str, int] = {}
+_kept_lock = threading.Lock()
+
+
 def _read_text(path: str) -> str:
-    """Return the whole file at ``path``; undecodable bytes become U+FFFD, never raise."""
-    with _open(path, "rb") as f:
-        data = f.read()
+    """Return the whole file at ``path``; undecodable bytes become U+FFFD.
+
+    The file stays open and is read again from offset 0 with ``pread`` (a ``/proc``,
+    sysfs or cgroup file is generated anew on every read): at 10 Hz the open and close of
+    ~20 files was about a third of a host cycle. A kept file that lost its last link
+    (deleted or replaced) or fails to read is closed and opened again, so a file that
+    went away still raises ``FileNotFoundError`` as a fresh open would. While ``_open`` is
+    replaced (tests simulating ``read()`` errors), every read opens the file through it.
+
+    Raises:
+        OSError: as ``open``/``read`` would (``FileNotFoundError``,
+            ``PermissionError``, ``EOPNOTSUPP`` from a PSI file on a kernel booted
+            without PSI).
+    """
+    if _open is not open:
+        with _open(path, "rb") as f:
+            data = f.read()
+        return data.decode("utf-8", "replace")
+    with _kept_lock:
+        fd = _kept.pop(path, None)
+    if fd is not None:
+        try:
+            if os.fstat(fd).st_nlink > 0:
+                data = _pread_all(fd)
+                _keep(path, fd)
+                return data.decode("utf-8", "replace")
+        except OSError:
+            pass  # reopened below: a fresh open says what is wrong now
+        _close(fd)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        data = _pread_all(fd)
+    except BaseException:
+        _close(fd)
+        raise
+    _keep(path, fd)
     return data.decode("utf-8", "replace")
+
+
+def _pread_all(fd: int) -> bytes:
+    chunks: list[bytes] = []
+    offset = 0
+    while True:
+        data = os.pread(fd, 65536, offset)
+        if not data:
+            return b"".join(chunks)
+        chunks.append(data)
+        offset += len(data)
+
+
+def _keep(path: str, fd: int) -> None:
+    with _kept_lock:
+        if len(_kept) >= KEPT_FILES:
+            for old in _kept.values():
+                _close(old)
+            _kept.clear()
+        other = _kept.get(path)
+        _kept[path] = fd
+    if other is not None:  # another thread kept the same path meanwhile
+        _close(other)
+
+
+def _close(fd: int) -> None:
+    with contextlib.suppress(OSError):
+        os.close(fd)
 
 
 def _reason(exc: BaseException) -> str:

@@ -23,6 +23,7 @@ import httpx
 from kvpressure.agent.pipeline import Context, Plan, Stage, register
 from kvpressure.agent.samplers.engines.base import (
     AUTO,
+    EngineGaugeSampler,
     EngineSampler,
     engine_type_from_families,
     probe,
@@ -33,6 +34,7 @@ from kvpressure.agent.samplers.engines.registry import ENGINE_TYPES
 __all__ = [
     "AUTO",
     "ENGINE_TYPES",
+    "EngineGaugeSampler",
     "EngineMapping",
     "EngineSampler",
     "Rule",
@@ -87,15 +89,39 @@ def make_engine_sampler(
 )
 def _plan(ctx: Context) -> list[Plan]:
     interval = ctx.interval_s("engines")
+    gauges = ctx.config.samplers.engines.gauges_interval_s
     out: list[Plan] = []
     for e in ctx.engines:
-        spec = ("engine", e.label, e.url, e.type, interval)
+        # the gauge sampler reads its engine sampler's state: both share one spec, so a
+        # change to either rebuilds both
+        spec = ("engine", e.label, e.url, e.type, interval, gauges)
+        built: list[EngineSampler] = []
 
-        def build(name: str = e.label, url: str = e.url, kind: str = e.type) -> EngineSampler:
-            return make_engine_sampler(
-                name=name, url=url, engine_type=kind, interval_s=interval,
+        def build(
+            name: str = e.label,
+            url: str = e.url,
+            kind: str = e.type,
+            built: list[EngineSampler] = built,
+        ) -> EngineSampler:
+            sampler = make_engine_sampler(
+                name=name,
+                url=url,
+                engine_type=kind,
+                interval_s=interval,
                 pod_labels=ctx.engine_pods,
-            )  # fmt: skip
+            )
+            built[:] = [sampler]
+            return sampler
 
         out.append(Plan(f"engine:{e.label}", spec, build))
+        if gauges and gauges < interval:
+
+            def build_gauges(
+                built: list[EngineSampler] = built, every: float = gauges
+            ) -> EngineGaugeSampler:
+                if not built:
+                    raise RuntimeError("the engine sampler was not built")
+                return built[0].gauge_sampler(every)
+
+            out.append(Plan(f"engine-gauges:{e.label}", spec, build_gauges))
     return out

@@ -32,6 +32,7 @@ no KV or queue samples, so a down engine never reads as an idle one.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -48,10 +49,11 @@ from kvpressure.agent.samplers.engines.exposition import (
     classify_response,
     failed,
 )
-from kvpressure.agent.samplers.engines.http import Fetch, HttpResult, http_get
+from kvpressure.agent.samplers.engines.http import Fetch, HttpResult, KeptAlive, http_get
 from kvpressure.agent.samplers.engines.normalize import (
     MERGE_DUPLICATE,
     MERGE_PER_PROCESS,
+    PROCESS_START_TIME,
     AddonContext,
     EngineAddon,
     EngineMapping,
@@ -66,6 +68,10 @@ log = logging.getLogger(__name__)
 AUTO: Final = "auto"
 DEFAULT_METRICS_PATH: Final = "/metrics"
 KV_RATIO: Final = "kvpressure_engine_kv_cache_usage_ratio"
+GAUGES: Final = frozenset(
+    {KV_RATIO, "kvpressure_engine_requests_running", "kvpressure_engine_requests_waiting"}
+)
+"""What :class:`EngineGaugeSampler` reads between full scrapes: KV usage, running, waiting."""
 _ACCEPT: Final = "text/plain;version=0.0.4;q=1.0, application/openmetrics-text;q=0.5, */*;q=0.1"
 _BODY_LOG_BYTES: Final = 200
 WARN_PERIOD_S: Final = 60.0
@@ -203,9 +209,12 @@ class EngineSampler(Sampler):
         self.url = base_url(url)
         self.instance = instance_of(self.url)
         self.engine_type = engine_type
+        self._transport = transport
         self._client = httpx.Client(
             transport=transport, headers={"Accept": _ACCEPT}, follow_redirects=True
         )
+        # plain http: one kept-alive connection read by hand (KeptAlive), httpx otherwise
+        self._raw = KeptAlive(self.url, {"Accept": _ACCEPT}) if transport is None else None
         self._lock = threading.Lock()
         self._log = LogOnce(log)
         self._warn = RateLimitedLog(log, WARN_PERIOD_S)
@@ -222,6 +231,12 @@ class EngineSampler(Sampler):
         self._stale = StaleTracker()
         self._wanted: frozenset[str] | None = None
         self._pod_labels = pod_labels
+        # shared with the gauge sampler (EngineGaugeSampler), replaced whole, never mutated
+        self.up = False
+        self.present: frozenset[str] = frozenset()  # family names of the last usable scrape
+        self.default_model: str | None = None
+        # the series the gauge sampler published last, and when (monotonic seconds)
+        self.gauge_keys: tuple[frozenset[tuple[str, object]], float] = (frozenset(), 0.0)
         if engine_type != AUTO:
             self._set_type(engine_type)
 
@@ -250,8 +265,21 @@ class EngineSampler(Sampler):
         try:
             self._collect(batch)
             self._add_pod_labels(batch)
+            keys, at = self.gauge_keys
+            if keys and time.monotonic() - at <= self.interval_s:
+                # the gauge sampler publishes these series, fresher: not twice (a gauge
+                # sampler silent for a whole interval, stuck or stopped, is not relied on)
+                batch.samples = [s for s in batch.samples if (s.name, s.labels) not in keys]
         finally:
             self._lock.release()
+
+    def gauge_sampler(self, interval_s: float) -> EngineGaugeSampler:
+        """A sampler of this engine's KV usage, running and waiting requests every ``interval_s``.
+
+        See :class:`EngineGaugeSampler`; while it publishes a series, this sampler's own
+        batches leave that series out.
+        """
+        return EngineGaugeSampler(self, interval_s)
 
     def _add_pod_labels(self, batch: Batch) -> None:
         """Put the engine's pod labels on every sample of ``batch`` (one set per engine)."""
@@ -265,8 +293,10 @@ class EngineSampler(Sampler):
         ]
 
     def close(self) -> None:
-        """Close the HTTP client."""
+        """Close the HTTP client and the kept connection."""
         self._client.close()
+        if self._raw is not None:
+            self._raw.close()
 
     # -- one cycle -----------------------------------------------------------------------
 
@@ -296,6 +326,9 @@ class EngineSampler(Sampler):
                 )
 
         up = result.usable
+        self.up = up and result.reason != REASON_EMPTY
+        if up and result.families:
+            self.present = frozenset(f.name for f in result.families)
         if not up or result.reason == REASON_EMPTY:
             self._report_failure(batch, result, res)
         else:
@@ -339,6 +372,7 @@ class EngineSampler(Sampler):
         normalizer = self._normalizer
         ctx = AddonContext(self.engine, self.instance, batch, fetch, normalizer.admits)
         default_model = self._addon.before(ctx) if self._addon else None
+        self.default_model = default_model
         scrape = normalizer.normalize(result, default_model)
         for label, count in scrape.label_values_dropped.items():
             self._label_values_dropped[label] = self._label_values_dropped.get(label, 0) + count
@@ -432,9 +466,144 @@ class EngineSampler(Sampler):
 
     def _fetcher(self, deadline: float) -> Fetch:
         def fetch(path: str) -> HttpResult:
+            if deadline - time.monotonic() <= 0.01:
+                return HttpResult(None, None, "", "timeout")
+            if self._raw is not None:
+                got = self._raw.get(path, deadline)
+                if got is not None:
+                    return got
             left = deadline - time.monotonic()
             if left <= 0.01:
                 return HttpResult(None, None, "", "timeout")
             return http_get(self._client, self.url + path, left)
 
         return fetch
+
+
+class EngineGaugeSampler(Sampler):
+    """One engine's KV-cache usage and running/waiting requests, between its full scrapes.
+
+    The engine's :class:`EngineSampler` reads the whole exposition every ``interval_s``
+    (parse and normalize: milliseconds per scrape); this sampler reads, every
+    ``interval_s`` of its own (e.g. 0.1 s), only the :data:`GAUGES` series, so the
+    timeline and ``/metrics`` see queue and KV swings the 1 s scrape misses (issue 15). Each
+    cycle it GETs the metrics path (a kept-alive connection, :class:`~.http.KeptAlive`),
+    cuts out the lines of the gauge families the last full scrape found (their ``# HELP``,
+    ``# TYPE`` and sample lines, by string search: no other line is parsed), and parses and
+    normalizes them with the same mapping rows, so each series has the same name, labels
+    and value the full scrape would give. Models the full scrape did not admit (the
+    per-engine model cap) are left out.
+
+    It emits nothing while the engine sampler has not yet seen the engine up, with its type
+    known and the gauge families present (a down engine never reads as idle); a failed GET
+    records ``source_error("metrics", reason)`` and emits no gauge. The engine sampler
+    leaves out of its own batches the series this sampler published in its last cycle, while
+    that cycle is at most one engine interval old.
+
+    Args:
+        engine: the engine's sampler (its type, admitted models and pod labels are read).
+        interval_s: seconds between collections.
+    """
+
+    def __init__(self, engine: EngineSampler, interval_s: float) -> None:
+        super().__init__(interval_s=interval_s, timeout_s=max(interval_s, 1.0))
+        self.name = f"engine-gauges:{engine.engine}"
+        self._engine = engine
+        self._raw = (
+            KeptAlive(engine.url, {"Accept": _ACCEPT}) if engine._transport is None else None
+        )
+        self._client = httpx.Client(
+            transport=engine._transport, headers={"Accept": _ACCEPT}, follow_redirects=True
+        )
+        self._type: str | None = None
+        self._normalizer: Normalizer | None = None
+        self._wanted: tuple[str, ...] = ()
+
+    def close(self) -> None:
+        """Close the HTTP client and the kept connection; the engine sampler reads all again."""
+        self._engine.gauge_keys = (frozenset(), 0.0)
+        self._client.close()
+        if self._raw is not None:
+            self._raw.close()
+
+    def collect(self, batch: Batch) -> None:
+        """Read the engine's gauges once and fill ``batch``; never raises for engine data."""
+        eng = self._engine
+        etype = eng.detected_type
+        if etype != self._type:
+            self._set_type(etype)
+        names = [n for n in self._wanted if n in eng.present]
+        if self._normalizer is None or not eng.up or not names:
+            eng.gauge_keys = (frozenset(), 0.0)
+            return
+        mapping = ENGINE_TYPES[self._type or ""]
+        deadline = time.monotonic() + 0.9 * self.timeout_s
+        res = self._raw.get(mapping.metrics_path, deadline) if self._raw is not None else None
+        if res is None:
+            left = deadline - time.monotonic()
+            res = (
+                http_get(self._client, eng.url + mapping.metrics_path, left)
+                if left > 0.01
+                else HttpResult(None, None, "", "timeout")
+            )
+        if res.reason or res.status is None or not res.ok:
+            batch.source_error("metrics", res.reason or f"http_{res.status}")
+            eng.gauge_keys = (frozenset(), 0.0)
+            return
+        result = classify_response(res.status, res.content_type, gauge_lines(res.body, names))
+        scrape = self._normalizer.normalize(result, eng.default_model)
+        admitted = set(eng._models)
+        for s in scrape.samples:
+            model = dict(s.labels).get("model")
+            if model is None or model in admitted:
+                batch.samples.append(s)
+        batch.source_ok("metrics")
+        eng._add_pod_labels(batch)
+        eng.gauge_keys = (frozenset((s.name, s.labels) for s in batch.samples), time.monotonic())
+
+    def _set_type(self, etype: str | None) -> None:
+        self._type = etype
+        self._normalizer = None
+        self._wanted = ()
+        mapping = ENGINE_TYPES.get(etype) if etype else None
+        if mapping is None or not mapping.implemented:
+            return
+        rules = tuple(r for r in mapping.rules if r.canonical in GAUGES and r.kind == "gauge")
+        if not rules:
+            return
+        gauges = dataclasses.replace(
+            mapping, rules=rules, derive=None, addon=None, ratios=(), derive_sources=()
+        )
+        self._normalizer = Normalizer(gauges, self._engine.engine, self._engine.instance)
+        # the start time only tells restarts of counters apart: not read here
+        self._wanted = tuple(sorted(n for n in gauges.reads() if PROCESS_START_TIME not in n))
+
+
+def gauge_lines(body: str, names: Iterable[str]) -> str:
+    """The lines of ``body`` that belong to the families ``names``, in body order.
+
+    Args:
+        body: a Prometheus text exposition.
+        names: family (and sample) names, e.g. ``["vllm:num_requests_running"]``.
+
+    Returns:
+        Their ``# HELP``/``# TYPE`` lines and sample lines (a name followed by ``{``, a
+        space, a tab or the line's end), joined with newlines; ``""`` when none occurs.
+        Found by one ``str.find`` pass per name: the cost grows with the names, not the
+        lines.
+    """
+    found: list[tuple[int, str]] = []
+    for name in names:
+        # one search per name: each hit is kept when it starts a sample line or is the
+        # name of a ``# HELP``/``# TYPE`` line (most names occur only on their own lines)
+        size = len(name)
+        i = body.find(name)
+        while i >= 0:
+            if body[i + size : i + size + 1] in ("", " ", "\t", "{", "\r", "\n"):
+                start = body.rfind("\n", 0, i) + 1
+                if i == start or body[start:i] in ("# HELP ", "# TYPE "):
+                    end = body.find("\n", i)
+                    found.append((start, body[start : end if end >= 0 else len(body)]))
+            i = body.find(name, i + size)
+    found.sort()
+    return "".join(line + "\n" for _, line in found)

@@ -605,6 +605,26 @@ def _number(text: str) -> float:
     return value
 
 
+_LABEL_PAIRS: dict[str, tuple[tuple[str, str], ...]] = {}
+"""Label text (between the braces) -> its pairs, unescaped; shared by every engine's parse."""
+_LABEL_PAIRS_KEPT: Final = 65536
+
+
+def _label_pairs(
+    text: str, find_pairs: Callable[[str], list[tuple[str, str]]]
+) -> tuple[tuple[str, str], ...]:
+    """The pairs of one sample's label text, as the library reads them; _Reject otherwise."""
+    pairs = find_pairs(text)
+    names = {k for k, _ in pairs}
+    if len(names) != len(pairs):
+        raise _Reject  # a repeated label name: the library rejects the line
+    if "__" in text and any(k[:2] == "__" for k in names):
+        raise _Reject  # a reserved label name
+    if "\\" in text:
+        return tuple((k, _unescape(v)) for k, v in pairs)
+    return tuple(pairs)
+
+
 def parse_text(body: str, wanted: frozenset[str] | None = None) -> FastParse | None:
     """Parse a Prometheus text-format body, or say it needs the library.
 
@@ -633,6 +653,7 @@ def _parse(body: str, wanted: frozenset[str] | None) -> FastParse:
     allowed: tuple[str, ...] = ()
     match_sample = _SAMPLE.fullmatch
     find_pairs = _PAIR.findall
+    labels_of = _LABEL_PAIRS.get
 
     def emit(fname: str, fdoc: str, ftyp: str, fsamples: list[ParsedSample], kept: bool) -> None:
         if ftyp == "counter":
@@ -697,29 +718,18 @@ def _parse(body: str, wanted: frozenset[str] | None) -> FastParse:
         sname, labels_text, value_text = m.group(1, 2, 3)
         own = sname in allowed
         kept = keep if own else (wanted is None or sname in wanted)
-        if kept:
-            value = _number(value_text)
-            if labels_text:
-                pairs = find_pairs(labels_text)
-                labels = dict(pairs)
-                if len(labels) != len(pairs):
-                    raise _Reject  # a repeated label name: the library rejects the line
-                if "__" in labels_text and any(k[:2] == "__" for k in labels):
-                    raise _Reject  # a reserved label name
-                if "\\" in labels_text:
-                    labels = {k: _unescape(v) for k, v in pairs}
-            else:
-                labels = {}
-            sample = ParsedSample(sname, labels, value)
+        value = _number(value_text)
+        if labels_text:
+            # one engine's label sets repeat scrape after scrape: parsed once per text
+            pairs = labels_of(labels_text)
+            if pairs is None:
+                pairs = _label_pairs(labels_text, find_pairs)
+                if len(_LABEL_PAIRS) >= _LABEL_PAIRS_KEPT:
+                    _LABEL_PAIRS.clear()  # bounded: churning label values re-parse
+                _LABEL_PAIRS[labels_text] = pairs
         else:
-            value = _number(value_text)
-            if labels_text:
-                pairs = find_pairs(labels_text)
-                if len(dict(pairs)) != len(pairs) or (
-                    "__" in labels_text and any(k[:2] == "__" for k, _ in pairs)
-                ):
-                    raise _Reject
-            sample = None
+            pairs = ()
+        sample = ParsedSample(sname, dict(pairs), value) if kept else None
         if own:
             if sample is not None:
                 if not math.isnan(sample.value):

