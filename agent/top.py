@@ -424,11 +424,15 @@ def run_top(url: str, interval_s: float, timeout_s: float, once: bool = False) -
                 if frame.snapshot is not None
                 else {}
             )
+            if frame.snapshot is None:  # as ``status``: one line on stderr, exit 1
+                print(f"kvpressure top: {frame.error}",
+                      file=sys.stderr)  # fmt: skip
+                return 1
             out = Console()
             if not out.is_terminal:
                 out = Console(width=WIDTH_WHEN_PIPED)
             out.print(render_frame(frame, rates, url, out.width))
-            return 0 if frame.snapshot is not None else 1
+            return 0
         console = Console()
         try:
             with (

@@ -83,8 +83,11 @@ def test_top_once_exits_1_without_agent():
         capture_output=True, text=True, check=False, timeout=30,
     )  # fmt: skip
     assert r.returncode == 1
-    assert "no agent answering at http://127.0.0.1:9" in r.stdout
-    assert "Traceback" not in r.stderr
+    # as `status`: one line on stderr, nothing on stdout, no "retrying..." from a command
+    # that does not retry
+    assert r.stdout == ""
+    assert r.stderr.startswith("kvpressure top: no agent answering at http://127.0.0.1:9")
+    assert len(r.stderr.splitlines()) == 1 and "retrying" not in r.stderr
 
 
 def test_gpu_processes_are_joined_to_the_engine_they_serve():
