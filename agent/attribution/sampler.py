@@ -59,6 +59,10 @@ MAX_NEIGHBOURS = 4096
 NEIGHBOUR_HORIZON_S = 600.0
 """Records that ended longer ago than this are no candidate blockers."""
 
+LATE_RECORD_S = 60.0
+"""How much later than the records around it a record may reach the agent and still be
+found as another request's neighbour (an OTLP batch exported late)."""
+
 RUNNING = "kvpressure_engine_requests_running"
 STATS_STALE = "kvpressure_engine_stats_stale"
 
@@ -159,9 +163,13 @@ class AttributionSampler(Sampler):
         ready.sort(key=lambda r: r.end)
 
         batches = self._batch_sizes(ready, now)
+        # the ready records are each other's neighbours: known before any is judged
+        self._recent.extend(ready)
+        while self._recent and self._recent[0].end < now - NEIGHBOUR_HORIZON_S:
+            self._recent.popleft()
         slow: list[tuple[RequestRecord, Verdict]] = []
         for i, r in enumerate(ready):
-            v = self.detector.judge(r, batches[i])
+            v = self.detector.judge(r, batches[i], self._neighbours(r))
             is_slow = v is not None and v.slow
             self.store.add_request(
                 RequestSummary.of(r, is_slow, v is not None and bool(v.slo_missed))
@@ -172,9 +180,6 @@ class AttributionSampler(Sampler):
                 slow.append((r, v))
             self._accumulate(r, v)
 
-        self._recent.extend(ready)
-        while self._recent and self._recent[0].end < now - NEIGHBOUR_HORIZON_S:
-            self._recent.popleft()
         windows = self._due_windows(now)
         if slow or windows:
             lo = min(
@@ -226,12 +231,24 @@ class AttributionSampler(Sampler):
         return out
 
     def _neighbours(self, r: RequestRecord) -> list[RequestRecord]:
-        """Known records of ``r``'s engine (settled, pending) that overlap its lifetime."""
-        return [
+        """Known records of ``r``'s engine (settled, pending) that overlap its lifetime.
+
+        The settled records are kept in the order they ended, so the scan walks back from
+        the newest and stops at the first that ended :data:`LATE_RECORD_S` before ``r``
+        started (a record that reached the agent later than that is not looked for).
+        """
+        out = [
             o
-            for o in (*self._recent, *self._pending)
+            for o in self._pending
             if o.engine == r.engine and o is not r and o.start <= r.end and o.end >= r.start
         ]
+        stop = r.start - LATE_RECORD_S
+        for o in reversed(self._recent):
+            if o.end < stop:
+                break
+            if o.engine == r.engine and o is not r and o.start <= r.end and o.end >= r.start:
+                out.append(o)
+        return out
 
     def _accumulate(self, r: RequestRecord, v: Verdict) -> None:
         start = r.end - (r.end % self.window_s)
