@@ -47,18 +47,50 @@ Defaults: ``q = 0.99``, ``factor = 1.5``, ``N = 500`` points per engine and phas
 is fitted through the latest 96, the ratio quantile is over all), ``min_requests = 30``,
 ``floor_s = 0.05`` (for TPOT the floor is on the whole decode, ``floor_s / (output - 1)``
 per token; 0.02 for the longest gap), ``slo_ttft_s = 2.0``, ``slo_tpot_s = 0.5``,
-``slo_e2e_s = 30.0``.
+``slo_e2e_s = 30.0``, ``coscheduled_tolerance = 2.0`` (below).
 
 ``q`` is higher than the single-latency baseline's usual p95: up to six phases of every
 request are judged, and a request is slow when any one is, so each phase's tail must be
-rarer for the requests' false-slow rate to stay at a few per cent (a calm mixed-length
-workload, where a short request now and then waits behind a long prefill, must not read
-as an incident).
+rarer for the requests' false-slow rate to stay at a few per cent.
+
+**Co-scheduled work.** An engine is shared: a request's phase also costs the work the
+engine did for other requests meanwhile. The part that varies most is other requests'
+prefill: on llama.cpp a short request that arrives during another's 1,650-token prefill
+waits for all of it (2.5 s on 2 cores), and one that is decoding gets a 2.5 s gap. In a
+mixed-length workload that happens to one short request in ten: the engine's normal, yet
+too rare for the fit's tail (and a fit that learnt it would excuse any 2.5 s stall). So the
+expected cost of each phase is its own cost (the fit above) plus the co-scheduled work in
+its span, at the share that is usual for this engine::
+
+    work(a, b)   = sum over the engine's other requests o (the caller's ``neighbours``) of
+                   prefill_cost(uncached(o)) x |o's prefill span in [a, b]| / |o's span|
+    share        = min(1, tolerance x usual / recent)
+    usual        = mean work over the whole life of the requests before the latest 32
+                   (up to N; those slow even with all their co-scheduled work excused are
+                   left out: another incident does not teach the engine's normal)
+    recent       = mean work of the latest 32 requests and this one (slow or not)
+    threshold'   = threshold(x) + share x work(phase span)
+    slow         = value > threshold'
+
+``prefill_cost`` is the engine's prefill fit (else its TTFT fit): the work is counted at the
+engine's usual speed, so a blocker slowed by a fault excuses no more than usual. For
+``tpot`` the work is spread over the decode's tokens; for ``itl_max`` only the largest one
+neighbour's part counts (one prefill falls into one gap). ``tolerance`` (2) is how much
+more co-scheduled work than usual the engine may carry before the excess stops being
+excused: with one long prompt in ten, 32 requests hold 3 or 4 of them, rarely 7 (twice the
+usual). So a calm mixed workload, where interference is the engine's normal, is not slow;
+a stream of long prompts back to back beside short requests (several times the usual
+co-scheduled work) leaves most of each held-up request's delay unexcused, and it is slow
+(the ``prefill_interference`` rule names it). An engine whose normal is such a stream is
+judged against that normal once it has lasted N requests, as every baseline here. No work
+is excused until 30 usual requests are known, or when the caller gives no neighbours.
 
 Only requests that completed (``outcome == "ok"``) feed a phase's fit, and only when that
 phase was not slow against the fit and did not miss its SLO, so a long incident does not
 become the new normal, and an incident the fit misses cannot teach it values past the
-SLO.
+SLO. The fit learns the request's own cost: a value above the fitted cost is learnt less
+the excused co-scheduled work, never below the fitted cost (the work is an upper bound of
+the delay it caused).
 """
 
 from __future__ import annotations
@@ -344,21 +376,20 @@ def coscheduled_work(
 
 
 class CoScheduledLoad:
-    """How much co-scheduled prefill work one engine usually carries, per request phase.
+    """How much co-scheduled prefill work one engine usually carries, and carries now.
 
-    Two bounded windows of per-request co-scheduled work (seconds, from
-    :func:`coscheduled_work`), over every judged request, slow or not: ``recent``, the
-    latest :data:`RECENT_REQUESTS` (what the engine carries now), and ``usual``, the
-    ``size`` requests before them (what it carries normally; it does not contain the
-    requests judged now, so a change shows in full until it has lasted ``size`` requests,
-    when it has become the engine's normal, as every baseline here). The share of a
-    request's co-scheduled work that is excused::
+    Two bounded windows of per-request co-scheduled work (seconds over the request's life,
+    from :func:`coscheduled_work`): ``recent``, the latest :data:`RECENT_REQUESTS` judged
+    requests, slow or not (what the engine carries now), and ``usual``, up to ``size``
+    requests before them (what it carries normally; a request enters it when it leaves
+    ``recent``, unless it failed or was slow even with all its co-scheduled work excused).
+    The share of a request's co-scheduled work that is excused::
 
         share = min(1, tolerance x mean(usual) / mean(recent and this request))
 
     1 while the engine carries up to ``tolerance`` times its usual co-scheduled work; less
     when it carries more (interference beyond the engine's normal is not excused); 0 until
-    ``min_requests`` usual requests are known.
+    ``min_requests`` usual requests are known. Not thread-safe.
 
     Args:
         size: usual requests kept.

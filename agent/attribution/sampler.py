@@ -8,7 +8,9 @@ It runs as a derived sampler named ``attribution`` on the daemon's schedule. Eac
 2. judges every phase of every ready record (:class:`~agent.attribution.detector.
    SlowDetector`), with the engine's mean batch size over the record's decode
    (``kvpressure_engine_requests_running``, unless its statistics were stale) as the size
-   the decode cost is fitted against;
+   the decode cost is fitted against, and the engine's other known records that overlapped
+   it (settled or pending: the same candidates as for a blocking prefill below) as the
+   co-scheduled work its phases' expected cost includes;
 3. reads the timeline once over the union of the scopes it needs
    (:class:`~agent.attribution.signals.Signals`), attributes every slow request
    (:class:`~agent.attribution.engine.Attributor`) over the span of its slow phases, with
