@@ -30,6 +30,7 @@ queue of at most ``max_pending``; overflow is dropped oldest first and counted i
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 from collections import deque
@@ -61,9 +62,9 @@ MAX_NEIGHBOURS = 4096
 NEIGHBOUR_HORIZON_S = 600.0
 """Records that ended longer ago than this are no candidate blockers."""
 
-LATE_RECORD_S = 60.0
-"""How much later than the records around it a record may reach the agent and still be
-found as another request's neighbour (an OTLP batch exported late)."""
+NEIGHBOUR_AFTER_S = 60.0
+"""A record that ended more than this after another is not looked at as its neighbour (the
+scan over the known records, sorted by end, stops there): bounds the work per record."""
 
 RUNNING = "kvpressure_engine_requests_running"
 STATS_STALE = "kvpressure_engine_stats_stale"
@@ -169,9 +170,11 @@ class AttributionSampler(Sampler):
         self._recent.extend(ready)
         while self._recent and self._recent[0].end < now - NEIGHBOUR_HORIZON_S:
             self._recent.popleft()
+        pool = sorted((*self._recent, *self._pending), key=lambda o: o.end) if ready else []
+        ends = [o.end for o in pool]
         slow: list[tuple[RequestRecord, Verdict]] = []
         for i, r in enumerate(ready):
-            v = self.detector.judge(r, batches[i], self._neighbours(r))
+            v = self.detector.judge(r, batches[i], self._neighbours(r, pool, ends))
             is_slow = v is not None and v.slow
             self.store.add_request(
                 RequestSummary.of(r, is_slow, v is not None and bool(v.slo_missed))
@@ -199,7 +202,7 @@ class AttributionSampler(Sampler):
                 extended,
             )
             for r, v in slow:
-                a = self.attributor.attribute_request(sig, r, v, self._neighbours(r))
+                a = self.attributor.attribute_request(sig, r, v, self._neighbours(r, pool, ends))
                 self.store.add_attribution(a)
                 if self.span_sink is not None:
                     try:
@@ -232,25 +235,23 @@ class AttributionSampler(Sampler):
                 out[i] = sum(vals) / len(vals)
         return out
 
-    def _neighbours(self, r: RequestRecord) -> list[RequestRecord]:
+    @staticmethod
+    def _neighbours(
+        r: RequestRecord, pool: list[RequestRecord], ends: list[float]
+    ) -> list[RequestRecord]:
         """Known records of ``r``'s engine (settled, pending) that overlap its lifetime.
 
-        The settled records are kept in the order they ended, so the scan walks back from
-        the newest and stops at the first that ended :data:`LATE_RECORD_S` before ``r``
-        started (a record that reached the agent later than that is not looked for).
+        Args:
+            r: the record.
+            pool: the known records sorted by end.
+            ends: their ends, in the same order.
+
+        Only records that ended from ``r``'s start to :data:`NEIGHBOUR_AFTER_S` after its
+        end are looked at.
         """
-        out = [
-            o
-            for o in self._pending
-            if o.engine == r.engine and o is not r and o.start <= r.end and o.end >= r.start
-        ]
-        stop = r.start - LATE_RECORD_S
-        for o in reversed(self._recent):
-            if o.end < stop:
-                break
-            if o.engine == r.engine and o is not r and o.start <= r.end and o.end >= r.start:
-                out.append(o)
-        return out
+        lo = bisect.bisect_left(ends, r.start)
+        hi = bisect.bisect_right(ends, r.end + NEIGHBOUR_AFTER_S)
+        return [o for o in pool[lo:hi] if o.engine == r.engine and o is not r and o.start <= r.end]
 
     def _accumulate(self, r: RequestRecord, v: Verdict) -> None:
         start = r.end - (r.end % self.window_s)
