@@ -155,7 +155,7 @@ def calm_mixed(h: Harness, n: int, seed: int, t0: float, eng: Engine | None = No
 
 def test_a_calm_mixed_workload_is_the_engines_normal():
     h = Harness()
-    _, end = calm_mixed(h, 150, 1, T)  # warm-up: the workload itself
+    _, end = calm_mixed(h, 30, 1, T)  # warm-up: 60 requests of the workload itself
     recs, _ = calm_mixed(h, 150, 2, end + 1)
     short = [r for r in recs if r.input_tokens == SHORT]
     held = [r for r in short if (r.ttft_s or 0.0) > 0.5 or max(r.itl_s) > 0.5]

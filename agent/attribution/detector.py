@@ -83,7 +83,9 @@ a stream of long prompts back to back beside short requests (several times the u
 co-scheduled work) leaves most of each held-up request's delay unexcused, and it is slow
 (the ``prefill_interference`` rule names it). An engine whose normal is such a stream is
 judged against that normal once it has lasted N requests, as every baseline here. No work
-is excused until 30 usual requests are known, or when the caller gives no neighbours.
+is counted before the prefill (or TTFT) fit has 30 points, nor when the caller gives no
+neighbours; all of it is excused for the next 30 requests (no normal known yet), and the
+usual is then every known request until 30 have left the latest 32.
 
 Only requests that completed (``outcome == "ok"``) feed a phase's fit, and only when that
 phase was not slow against the fit and did not miss its SLO, so a long incident does not
@@ -388,8 +390,10 @@ class CoScheduledLoad:
         share = min(1, tolerance x mean(usual) / mean(recent and this request))
 
     1 while the engine carries up to ``tolerance`` times its usual co-scheduled work; less
-    when it carries more (interference beyond the engine's normal is not excused); 0 until
-    ``min_requests`` usual requests are known. Not thread-safe.
+    when it carries more (interference beyond the engine's normal is not excused). Warm-up:
+    until ``min_requests`` requests are known the share is 1 (like a cost fit in warm-up,
+    no baseline judges yet), and until ``min_requests`` have left ``recent`` every known
+    request is the usual. Not thread-safe.
 
     Args:
         size: usual requests kept.
@@ -408,12 +412,16 @@ class CoScheduledLoad:
 
     def share(self, work_s: float) -> float:
         """Share (0..1) of ``work_s`` co-scheduled seconds excused now (see the class)."""
-        if len(self.usual) < self.min_requests:
-            return 0.0
+        if len(self.usual) + len(self.recent) < self.min_requests:
+            return 1.0  # warm-up: no normal known to tell an abnormal share from
         recent = (sum(w for w, _ in self.recent) + work_s) / (len(self.recent) + 1)
         if recent <= 0:
             return 1.0
-        usual = sum(self.usual) / len(self.usual)
+        if len(self.usual) >= self.min_requests:
+            usual = sum(self.usual) / len(self.usual)
+        else:  # the first requests known are the normal until enough have left ``recent``
+            known = [*self.usual, *(w for w, _ in self.recent)]
+            usual = sum(known) / len(known)
         return min(1.0, self.tolerance * usual / recent)
 
     def add(self, work_s: float, usual: bool) -> None:
