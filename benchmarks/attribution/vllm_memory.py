@@ -42,15 +42,15 @@ new requests):
   concurrent clients, all with 32-token prompts (1 block: admitted at once, TTFT stays
   calm), the clients' requests 50 ms apart, the hogs 1 s ahead. Their output lengths come
   from the KV capacity vLLM reports (``cache_config_info``, read through the agent; see
-  :func:`decode_shapes`): with all 20 growing a token per step the cache is full after
-  ``capacity / 20 - 32`` tokens; the clients' requests generate twice that and the hogs
-  three times (at most the 2,048-token context), so for the second half of their decode
-  vLLM has no block for every running request and preempts the newest, these; they wait
-  for blocks until the hogs finish and are recomputed. (With fixed sizes, 600 output
-  tokens, the cache filled only at the end of the decode: 1 preemption, nothing slow.)
-  Target: >= 90 % of the requests flagged slow (their time per output token, not their
-  TTFT) and >= 90 % of those attributed to memory with ``preemptions`` in their top
-  evidence.
+  :func:`decode_shapes`): the hogs hold half the cache at full length, and the clients'
+  requests together ask for 6 times the cache (at most the 2,048-token context each), so
+  vLLM runs out of blocks early in their decode and preempts the newest running requests,
+  these; on the tiny model a preempted request is recomputed in milliseconds, so what
+  slows its decode is the wait for blocks, in waves, until the requests ahead of it finish.
+  (With fixed sizes, 600 output tokens, the cache filled only at the end of the decode: +1
+  or +16 preemptions, nothing slow; twice the capacity gave +6 and nothing slow.) Target:
+  >= 90 % of the requests flagged slow (their time per output token, not their TTFT) and
+  >= 90 % of those attributed to memory with ``preemptions`` in their top evidence.
 
   Why hogs and long outputs: without the hogs, the first wave of a burst into an idle
   engine is slow (TTFT 0.07-0.3 s against the 50 ms baseline threshold) only because
@@ -164,12 +164,13 @@ DECODE_HOGS = Shape(concurrency=4, prompt_tokens=32, max_tokens=1500)
 the scenario's requests need; sized by :func:`decode_shapes` like :data:`DECODE`."""
 MAX_MODEL_LEN = 2048
 """The server's ``--max-model-len`` (``vllm_support.server_argv``): no request is longer."""
-DECODE_FULL_AT = 2.0
-"""The decode scenario's requests generate this many times the tokens after which all
-running requests together fill the KV cache: the second half of their decode is starved."""
-DECODE_HOG_FULL_AT = 3.0
-"""The decode hogs generate this many times those tokens: they hold their KV until after
-the scenario's requests would have finished unstarved."""
+DECODE_DEMAND = 6.0
+"""The decode scenario's requests, at full length, ask for this many times the KV cache:
+on the tiny model a preempted request is recomputed in milliseconds, so only the wait for
+blocks makes its decode slow, and it waits in waves (about ``DECODE_DEMAND`` of them) for
+the requests ahead of it to finish and free their blocks."""
+DECODE_HOG_SHARE = 0.5
+"""The decode hogs, at full length, hold this share of the KV cache between them."""
 
 
 def decode_shapes(
@@ -177,27 +178,27 @@ def decode_shapes(
 ) -> tuple[Shape, Shape]:
     """The decode scenario's requests and hogs for a KV cache of ``capacity_tokens``.
 
-    All ``requests + hogs`` requests run at once (each short prompt takes one block and is
-    admitted) and each grows by one token per engine step, so the KV cache is full after
-    ``full = capacity / (requests + hogs) - prompt`` generated tokens. The scenario's
-    requests generate :data:`DECODE_FULL_AT` x ``full`` tokens and the hogs
-    :data:`DECODE_HOG_FULL_AT` x ``full``, both at most what ``--max-model-len`` allows:
-    from token ``full`` on, vLLM has no block for every running request and preempts the
-    newest, the scenario's, in their decode.
+    Every request has a short prompt (one block: admitted at once, TTFT calm). The
+    scenario's ``requests`` generate ``DECODE_DEMAND x capacity / (requests + hogs) -
+    prompt`` tokens each, the ``hogs`` (older, so never the ones preempted)
+    ``DECODE_HOG_SHARE x capacity / hogs - prompt``, both at most what ``--max-model-len``
+    allows: the cache is full after a fraction of the scenario's decode, and vLLM preempts
+    the newest running requests, the scenario's, which wait for blocks in their decode.
 
     Raises:
         ValueError: the cache is too small for every request's prompt plus a few tokens.
     """
     prompt = DECODE.prompt_tokens
-    full = capacity_tokens // (requests + hogs) - prompt
-    if full < 8:
+    if capacity_tokens // (requests + hogs) < prompt + 8:
         raise ValueError(
             f"a KV cache of {capacity_tokens} tokens cannot admit {requests + hogs} requests"
         )
     longest = MAX_MODEL_LEN - prompt
+    out = int(DECODE_DEMAND * capacity_tokens / (requests + hogs)) - prompt
+    hog_out = int(DECODE_HOG_SHARE * capacity_tokens / max(hogs, 1)) - prompt
     return (
-        Shape(requests, prompt, min(longest, int(DECODE_FULL_AT * full))),
-        Shape(hogs, prompt, min(longest, int(DECODE_HOG_FULL_AT * full))),
+        Shape(requests, prompt, max(1, min(longest, out))),
+        Shape(hogs, prompt, max(1, min(longest, hog_out))),
     )
 
 
