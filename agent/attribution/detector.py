@@ -84,8 +84,9 @@ co-scheduled work) leaves most of each held-up request's delay unexcused, and it
 (the ``prefill_interference`` rule names it). An engine whose normal is such a stream is
 judged against that normal once it has lasted N requests, as every baseline here. No work
 is counted before the prefill (or TTFT) fit has 30 points, nor when the caller gives no
-neighbours; all of it is excused for the next 30 requests (no normal known yet), and the
-usual is then every known request until 30 have left the latest 32.
+neighbours; all of it is excused for the next 30 requests (no normal known yet), and
+until 30 requests have left the latest 32 the older half of the known requests is the
+usual, the newer half the recent.
 
 Only requests that completed (``outcome == "ok"``) feed a phase's fit, and only when that
 phase was not slow against the fit and did not miss its SLO, so a long incident does not
@@ -392,8 +393,8 @@ class CoScheduledLoad:
     1 while the engine carries up to ``tolerance`` times its usual co-scheduled work; less
     when it carries more (interference beyond the engine's normal is not excused). Warm-up:
     until ``min_requests`` requests are known the share is 1 (like a cost fit in warm-up,
-    no baseline judges yet), and until ``min_requests`` have left ``recent`` every known
-    request is the usual. Not thread-safe.
+    no baseline judges yet); until ``min_requests`` have left ``recent`` the older half of
+    the known requests is the usual and the newer half the recent. Not thread-safe.
 
     Args:
         size: usual requests kept.
@@ -412,17 +413,23 @@ class CoScheduledLoad:
 
     def share(self, work_s: float) -> float:
         """Share (0..1) of ``work_s`` co-scheduled seconds excused now (see the class)."""
-        if len(self.usual) + len(self.recent) < self.min_requests:
+        n = len(self.usual) + len(self.recent)
+        if n < self.min_requests:
             return 1.0  # warm-up: no normal known to tell an abnormal share from
-        recent = (sum(w for w, _ in self.recent) + work_s) / (len(self.recent) + 1)
-        if recent <= 0:
+        recent = list(self.recent)
+        usual: list[float] = list(self.usual)
+        if len(self.usual) < self.min_requests:
+            # until enough have left ``recent``: the older half of the known requests is the
+            # usual, the newer half the recent (never the same requests in both)
+            k = min(len(recent), n // 2)
+            usual += [w for w, ok in recent[: len(recent) - k] if ok]
+            recent = recent[len(recent) - k :]
+        if not usual:
             return 1.0
-        if len(self.usual) >= self.min_requests:
-            usual = sum(self.usual) / len(self.usual)
-        else:  # the first requests known are the normal until enough have left ``recent``
-            known = [*self.usual, *(w for w, _ in self.recent)]
-            usual = sum(known) / len(known)
-        return min(1.0, self.tolerance * usual / recent)
+        now = (sum(w for w, _ in recent) + work_s) / (len(recent) + 1)
+        if now <= 0:
+            return 1.0
+        return min(1.0, self.tolerance * (sum(usual) / len(usual)) / now)
 
     def add(self, work_s: float, usual: bool) -> None:
         """Record one judged request's co-scheduled seconds.
