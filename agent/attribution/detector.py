@@ -47,26 +47,63 @@ Defaults: ``q = 0.99``, ``factor = 1.5``, ``N = 500`` points per engine and phas
 is fitted through the latest 96, the ratio quantile is over all), ``min_requests = 30``,
 ``floor_s = 0.05`` (for TPOT the floor is on the whole decode, ``floor_s / (output - 1)``
 per token; 0.02 for the longest gap), ``slo_ttft_s = 2.0``, ``slo_tpot_s = 0.5``,
-``slo_e2e_s = 30.0``.
+``slo_e2e_s = 30.0``, ``coscheduled_tolerance = 2.0`` (below).
 
 ``q`` is higher than the single-latency baseline's usual p95: up to six phases of every
 request are judged, and a request is slow when any one is, so each phase's tail must be
-rarer for the requests' false-slow rate to stay at a few per cent (a calm mixed-length
-workload, where a short request now and then waits behind a long prefill, must not read
-as an incident).
+rarer for the requests' false-slow rate to stay at a few per cent.
+
+**Co-scheduled work.** An engine is shared: a request's phase also costs the work the
+engine did for other requests meanwhile. The part that varies most is other requests'
+prefill: on llama.cpp a short request that arrives during another's 1,650-token prefill
+waits for all of it (2.5 s on 2 cores), and one that is decoding gets a 2.5 s gap. In a
+mixed-length workload that happens to one short request in ten: the engine's normal, yet
+too rare for the fit's tail (and a fit that learnt it would excuse any 2.5 s stall). So the
+expected cost of each phase is its own cost (the fit above) plus the co-scheduled work in
+its span, at the share that is usual for this engine::
+
+    work(a, b)   = sum over the engine's other requests o (the caller's ``neighbours``) of
+                   prefill_cost(uncached(o)) x |o's prefill span in [a, b]| / |o's span|
+    share        = min(1, tolerance x usual / recent)
+    usual        = mean work over the whole life of the requests before the latest 32
+                   (up to N; those slow even with all their co-scheduled work excused are
+                   left out: another incident does not teach the engine's normal)
+    recent       = mean work of the latest 32 requests and this one (slow or not)
+    threshold'   = threshold(x) + share x work(phase span)
+    slow         = value > threshold'
+
+``prefill_cost`` is the engine's prefill fit (else its TTFT fit): the work is counted at the
+engine's usual speed, so a blocker slowed by a fault excuses no more than usual. For
+``tpot`` the work is spread over the decode's tokens; for ``itl_max`` only the largest one
+neighbour's part counts (one prefill falls into one gap). ``tolerance`` (2) is how much
+more co-scheduled work than usual the engine may carry before the excess stops being
+excused: with one long prompt in ten, 32 requests hold 3 or 4 of them, rarely 7 (twice the
+usual). So a calm mixed workload, where interference is the engine's normal, is not slow;
+a stream of long prompts back to back beside short requests (several times the usual
+co-scheduled work) leaves most of each held-up request's delay unexcused, and it is slow
+(the ``prefill_interference`` rule names it). An engine whose normal is such a stream is
+judged against that normal once it has lasted N requests, as every baseline here. No work
+is counted before the prefill (or TTFT) fit has 30 points, nor when the caller gives no
+neighbours; all of it is excused for the next 30 requests (no normal known yet), and
+until 30 requests have left the latest 32 the older half of the known requests is the
+usual, the newer half the recent.
 
 Only requests that completed (``outcome == "ok"``) feed a phase's fit, and only when that
 phase was not slow against the fit and did not miss its SLO, so a long incident does not
 become the new normal, and an incident the fit misses cannot teach it values past the
-SLO.
+SLO. The fit learns the request's own cost: a value above the fitted cost is learnt less
+the excused co-scheduled work, never below the fitted cost (the work is an upper bound of
+the delay it caused).
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+from kvpressure.agent.attribution.rules import prefill_span, uncached_tokens
 from kvpressure.agent.requests.record import RequestRecord
 
 PHASES: tuple[str, ...] = ("queue", "prefill", "ttft", "tpot", "itl_max", "e2e")
@@ -93,6 +130,10 @@ TOKEN_SIZED = frozenset({"prefill", "ttft", "e2e"})
 TPOT_FLOOR_S = 0.02
 """Absolute floor of the longest inter-token gap's threshold above the expected value."""
 
+RECENT_REQUESTS = 32
+"""Requests whose co-scheduled work is what an engine carries "now" (:class:`CoScheduledLoad`):
+enough that an occasional long prompt among them is not read as a change of the workload."""
+
 
 @dataclass(frozen=True, slots=True)
 class PhaseVerdict:
@@ -109,6 +150,10 @@ class PhaseVerdict:
             unknown.
         start: start of the phase's time span, Unix seconds.
         end: end of the phase's time span.
+        coscheduled_s: the part of ``expected_s`` and ``threshold_s`` that is other
+            requests' prefill work in the phase's span, at the share usual for the engine
+            (seconds, per token for ``tpot``; see :class:`CoScheduledLoad`); ``None`` when
+            it could not be estimated (no neighbours given, no prefill fit yet).
     """
 
     phase: str
@@ -119,6 +164,7 @@ class PhaseVerdict:
     size: float | None
     start: float
     end: float
+    coscheduled_s: float | None = None
 
     @property
     def excess(self) -> float:
@@ -281,6 +327,126 @@ class CostModel:
         return max(factor * quantile(ratios, max(qq, 0.5)) * exp, exp + floor_s), exp
 
 
+def coscheduled_work(
+    record: RequestRecord,
+    a: float,
+    b: float,
+    neighbours: Iterable[RequestRecord],
+    cost: Callable[[float], float],
+) -> tuple[float, float]:
+    """Other requests' prefill work the engine did in ``[a, b]``, seconds at its usual cost.
+
+    Each other record ``o`` of ``record``'s engine with a known uncached prompt and a
+    prefill span (``prefill_s`` before its first token, else arrival to first token)
+    contributes ``cost(uncached(o)) x overlap / len(o's prefill span)``: its prefill at the
+    engine's fitted cost, spread evenly over its span, for the part of the span inside
+    ``[a, b]`` (all of it when the span has no length and lies inside). The fitted cost
+    rather than the span's own length, so a prefill slowed by a fault is not excused.
+
+    Args:
+        record: the request judged (never its own neighbour).
+        a: start of the phase's span, Unix seconds.
+        b: end of the span.
+        neighbours: other requests (any engine; others are skipped).
+        cost: fitted prefill seconds of an uncached prompt of that many tokens.
+
+    Returns:
+        ``(total, largest)``: the sum over the neighbours and the largest single
+        neighbour's part, seconds, >= 0 (one prefill can fall into one inter-token gap;
+        several are spread over the decode).
+    """
+    total = largest = 0.0
+    if b <= a:
+        return total, largest
+    for o in neighbours:
+        if o is record or o.engine != record.engine:
+            continue
+        span = prefill_span(o)
+        tokens = uncached_tokens(o)
+        if span is None or tokens is None or tokens <= 0:
+            continue
+        lo, hi = max(span[0], a), min(span[1], b)
+        length = span[1] - span[0]
+        if length > 0:
+            share = (hi - lo) / length if hi > lo else 0.0
+        else:
+            share = 1.0 if a <= span[0] <= b else 0.0
+        if share > 0:
+            part = share * cost(float(tokens))
+            total += part
+            largest = max(largest, part)
+    return total, largest
+
+
+class CoScheduledLoad:
+    """How much co-scheduled prefill work one engine usually carries, and carries now.
+
+    Two bounded windows of per-request co-scheduled work (seconds over the request's life,
+    from :func:`coscheduled_work`): ``recent``, the latest :data:`RECENT_REQUESTS` judged
+    requests, slow or not (what the engine carries now), and ``usual``, up to ``size``
+    requests before them (what it carries normally; a request enters it when it leaves
+    ``recent``, unless it failed or was slow even with all its co-scheduled work excused).
+    The share of a request's co-scheduled work that is excused::
+
+        share = min(1, tolerance x mean(usual) / mean(recent and this request))
+
+    1 while the engine carries up to ``tolerance`` times its usual co-scheduled work; less
+    when it carries more (interference beyond the engine's normal is not excused). Warm-up:
+    until ``min_requests`` requests are known the share is 1 (like a cost fit in warm-up,
+    no baseline judges yet); until ``min_requests`` have left ``recent`` the older half of
+    the known requests is the usual and the newer half the recent. Not thread-safe.
+
+    Args:
+        size: usual requests kept.
+        min_requests: usual requests needed before any work is excused.
+        tolerance: how many times its usual co-scheduled work the engine may carry before
+            the excess is no longer excused.
+    """
+
+    __slots__ = ("min_requests", "recent", "tolerance", "usual")
+
+    def __init__(self, size: int, min_requests: int, tolerance: float) -> None:
+        self.usual: deque[float] = deque(maxlen=size)
+        self.recent: deque[tuple[float, bool]] = deque(maxlen=RECENT_REQUESTS)
+        self.min_requests = min_requests
+        self.tolerance = tolerance
+
+    def share(self, work_s: float) -> float:
+        """Share (0..1) of ``work_s`` co-scheduled seconds excused now (see the class)."""
+        n = len(self.usual) + len(self.recent)
+        if n < self.min_requests:
+            return 1.0  # warm-up: no normal known to tell an abnormal share from
+        recent = list(self.recent)
+        usual: list[float] = list(self.usual)
+        if len(self.usual) < self.min_requests:
+            # until enough have left ``recent``: the older half of the known requests is the
+            # usual, the newer half the recent (never the same requests in both)
+            k = min(len(recent), n // 2)
+            usual += [w for w, ok in recent[: len(recent) - k] if ok]
+            recent = recent[len(recent) - k :]
+        if not usual:
+            return 1.0
+        now = (sum(w for w, _ in recent) + work_s) / (len(recent) + 1)
+        if now <= 0:
+            return 1.0
+        return min(1.0, self.tolerance * (sum(usual) / len(usual)) / now)
+
+    def add(self, work_s: float, usual: bool) -> None:
+        """Record one judged request's co-scheduled seconds.
+
+        Args:
+            work_s: the request's co-scheduled work, seconds.
+            usual: it may become part of ``usual`` once it leaves ``recent``: the request
+                completed and no phase of it was slow with all its co-scheduled work
+                excused.
+        """
+        if len(self.recent) == self.recent.maxlen:
+            w, ok = self.recent[0]
+            if ok:
+                self.usual.append(w)
+        self.recent.append((work_s, usual))
+
+
 class SlowDetector:
     """Judges each phase of a request against its fitted cost and the SLOs.
 
@@ -295,6 +461,8 @@ class SlowDetector:
         baseline_min_requests: points needed before a phase's fit applies.
         baseline_floor_s: lowest margin of a threshold above the expected cost, seconds.
         slo_tpot_s: time-per-output-token objective, seconds.
+        coscheduled_tolerance: times its usual co-scheduled prefill work an engine may
+            carry before the excess stops being excused (:class:`CoScheduledLoad`).
     """
 
     def __init__(
@@ -307,6 +475,7 @@ class SlowDetector:
         baseline_min_requests: int = 30,
         baseline_floor_s: float = 0.05,
         slo_tpot_s: float = 0.5,
+        coscheduled_tolerance: float = 2.0,
     ) -> None:
         self.slo = {"ttft": slo_ttft_s, "e2e": slo_e2e_s, "tpot": slo_tpot_s}
         self.q = baseline_quantile
@@ -314,7 +483,9 @@ class SlowDetector:
         self.size = baseline_requests
         self.min_requests = baseline_min_requests
         self.floor = baseline_floor_s
+        self.coscheduled_tolerance = coscheduled_tolerance
         self._models: dict[tuple[str, str], CostModel] = {}
+        self._load: dict[str, CoScheduledLoad] = {}
 
     def _floor(self, phase: str) -> float:
         return min(self.floor, TPOT_FLOOR_S) if phase == "itl_max" else self.floor
@@ -338,13 +509,40 @@ class SlowDetector:
         m = self._models.get((engine, phase))
         return 0 if m is None else len(m.points)
 
-    def judge(self, record: RequestRecord, batch: float | None = None) -> Verdict | None:
+    def _prefill_cost(self, engine: str) -> Callable[[float], float] | None:
+        """Fitted seconds of an uncached prompt of ``x`` tokens on ``engine``, or ``None``.
+
+        The prefill fit, else the TTFT fit, once it has ``baseline_min_requests`` points.
+        """
+        for phase in ("prefill", "ttft"):
+            m = self._models.get((engine, phase))
+            if m is not None and len(m.points) >= self.min_requests:
+                return m.expected
+        return None
+
+    def _coscheduled(self, engine: str) -> CoScheduledLoad:
+        load = self._load.get(engine)
+        if load is None:
+            load = self._load[engine] = CoScheduledLoad(
+                self.size, self.min_requests, self.coscheduled_tolerance
+            )
+        return load
+
+    def judge(
+        self,
+        record: RequestRecord,
+        batch: float | None = None,
+        neighbours: Sequence[RequestRecord] | None = None,
+    ) -> Verdict | None:
         """Judge every phase of ``record`` and learn from the phases that were not slow.
 
         Args:
             record: the finished request.
             batch: mean number of requests the engine was running during the record's
                 decode (``kvpressure_engine_requests_running``), ``None`` when unknown.
+            neighbours: the engine's other requests whose lifetime overlapped ``record``'s
+                (settled or not), whose prefill is the co-scheduled work of its phases;
+                ``None`` when unknown (no co-scheduled work is then excused or tracked).
 
         Returns:
             ``None`` when the record has neither TTFT nor end-to-end latency.
@@ -357,20 +555,52 @@ class SlowDetector:
 
         fitted: set[str] = set()
         missed: list[str] = []
+        cost = self._prefill_cost(r.engine) if neighbours is not None else None
+        # co-scheduled seconds over the request's life, and the share of it excused now
+        work: float | None = None
+        share = 0.0
+        # False once a phase is slow even with all its co-scheduled work excused (another
+        # incident: its co-scheduled work does not teach the engine's usual)
+        explained = True
+
+        def coscheduled(a: float, b: float, largest: bool = False) -> float | None:
+            if cost is None or neighbours is None or work is None:
+                return None
+            total, one = coscheduled_work(r, a, b, neighbours, cost)
+            return one if largest else total
 
         def fit(
-            phase: str, value: float, size: float, a: float, b: float, floor: float | None = None
+            phase: str,
+            value: float,
+            size: float,
+            a: float,
+            b: float,
+            floor: float | None = None,
+            work_s: float | None = None,
         ) -> None:
+            nonlocal explained
             m = self._models.get((r.engine, phase))
+            allow = None if work_s is None else share * work_s
+            extra = allow or 0.0
             slow = False
+            own = max(0.0, value - extra)
             if m is not None and len(m.points) >= self.min_requests:
                 fl = self._floor(phase) if floor is None else floor
                 thr, exp = m.threshold(size, self.q, self.factor, fl)
-                judged.append(PhaseVerdict(phase, value, thr, "baseline", exp, size, a, b))
-                slow = value > thr
+                judged.append(
+                    PhaseVerdict(
+                        phase, value, thr + extra, "baseline", exp + extra, size, a, b, allow
+                    )
+                )
+                slow = value > thr + extra
+                if value > thr + (work_s or 0.0):
+                    explained = False
                 fitted.add(phase)
-            if not slow:
-                learn.append((phase, size, value))
+                # the allowance is an upper bound of the co-scheduled delay: it explains the
+                # value's excess over the own cost, never more
+                own = value if value <= exp else max(exp, own)
+            if not slow:  # the fit learns the request's own cost, net of the excused work
+                learn.append((phase, size, own))
 
         def slo(phase: str, value: float, a: float, b: float) -> None:
             if value > self.slo[phase]:
@@ -383,27 +613,37 @@ class SlowDetector:
         uncached: float = 0.0
         if r.input_tokens is not None:
             uncached = float(max(0, r.input_tokens - (r.cached_tokens or 0)))
+        if r.ttft_s is not None and cost is not None and neighbours is not None:
+            work = coscheduled_work(r, r.start, r.end, neighbours, cost)[0]
+            share = self._coscheduled(r.engine).share(work)
         if r.queue_s is not None and r.queue_s >= 0:
-            fit("queue", r.queue_s, 0.0, r.start, r.start + r.queue_s)
+            q_end = r.start + r.queue_s
+            fit("queue", r.queue_s, 0.0, r.start, q_end, work_s=coscheduled(r.start, q_end))
         if r.ttft_s is not None:
             first = r.start + r.ttft_s
             if r.prefill_s is not None and r.prefill_s >= 0:
-                fit("prefill", r.prefill_s, uncached, first - r.prefill_s, first)
-            fit("ttft", r.ttft_s, uncached, r.start, first)
+                p_start = first - r.prefill_s
+                fit("prefill", r.prefill_s, uncached, p_start, first,
+                    work_s=coscheduled(p_start, first))  # fmt: skip
+            ttft_work = coscheduled(r.start, first)
+            fit("ttft", r.ttft_s, uncached, r.start, first, work_s=ttft_work)
             slo("ttft", r.ttft_s, r.start, first)
             out = r.output_tokens
             decode = r.decode_s
             if decode is None and r.e2e_s is not None:
                 decode = r.e2e_s - r.ttft_s
+            size = batch if batch is not None and batch > 0 else 1.0
+            dec_work = coscheduled(first, r.end)
             if out is not None and out >= 2 and decode is not None and decode >= 0:
                 tpot = decode / (out - 1)
-                size = batch if batch is not None and batch > 0 else 1.0
+                per_token = None if dec_work is None else dec_work / (out - 1)
                 # the floor is on the decode's seconds, spread over its tokens
-                fit("tpot", tpot, size, first, r.end, self.floor / (out - 1))
+                fit("tpot", tpot, size, first, r.end, self.floor / (out - 1), per_token)
                 slo("tpot", tpot, first, r.end)
             if len(r.itl_s) >= 2:
-                size = batch if batch is not None and batch > 0 else 1.0
-                fit("itl_max", max(r.itl_s), size, first, r.end)
+                # one co-scheduled prefill can fall into one gap: the largest is allowed there
+                gap_work = coscheduled(first, r.end, largest=True)
+                fit("itl_max", max(r.itl_s), size, first, r.end, work_s=gap_work)
         elif r.e2e_s is not None:
             out_size = float(r.output_tokens) if r.output_tokens is not None else 0.0
             fit("e2e", r.e2e_s, out_size, r.start, r.end)
@@ -419,6 +659,8 @@ class SlowDetector:
                 if m is None:
                     m = self._models[key] = CostModel(self.size, phase in TOKEN_SIZED)
                 m.add(size, value)
+        if work is not None:
+            self._coscheduled(r.engine).add(work, r.outcome == "ok" and explained)
         if slow_phases:
             top = slow_phases[0]
             return Verdict(

@@ -8,7 +8,9 @@ It runs as a derived sampler named ``attribution`` on the daemon's schedule. Eac
 2. judges every phase of every ready record (:class:`~agent.attribution.detector.
    SlowDetector`), with the engine's mean batch size over the record's decode
    (``kvpressure_engine_requests_running``, unless its statistics were stale) as the size
-   the decode cost is fitted against;
+   the decode cost is fitted against, and the engine's other known records that overlapped
+   it (settled or pending: the same candidates as for a blocking prefill below) as the
+   co-scheduled work its phases' expected cost includes;
 3. reads the timeline once over the union of the scopes it needs
    (:class:`~agent.attribution.signals.Signals`), attributes every slow request
    (:class:`~agent.attribution.engine.Attributor`) over the span of its slow phases, with
@@ -28,6 +30,7 @@ queue of at most ``max_pending``; overflow is dropped oldest first and counted i
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 from collections import deque
@@ -59,6 +62,10 @@ MAX_NEIGHBOURS = 4096
 
 NEIGHBOUR_HORIZON_S = 600.0
 """Records that ended longer ago than this are no candidate blockers."""
+
+NEIGHBOUR_AFTER_S = 60.0
+"""A record that ended more than this after another is not looked at as its neighbour (the
+scan over the known records, sorted by end, stops there): bounds the work per record."""
 
 RUNNING: SampleName = "kvpressure_engine_requests_running"
 STATS_STALE: SampleName = "kvpressure_engine_stats_stale"
@@ -160,9 +167,15 @@ class AttributionSampler(Sampler):
         ready.sort(key=lambda r: r.end)
 
         batches = self._batch_sizes(ready, now)
+        # the ready records are each other's neighbours: known before any is judged
+        self._recent.extend(ready)
+        while self._recent and self._recent[0].end < now - NEIGHBOUR_HORIZON_S:
+            self._recent.popleft()
+        pool = sorted((*self._recent, *self._pending), key=lambda o: o.end) if ready else []
+        ends = [o.end for o in pool]
         slow: list[tuple[RequestRecord, Verdict]] = []
         for i, r in enumerate(ready):
-            v = self.detector.judge(r, batches[i])
+            v = self.detector.judge(r, batches[i], self._neighbours(r, pool, ends))
             is_slow = v is not None and v.slow
             self.store.add_request(
                 RequestSummary.of(r, is_slow, v is not None and bool(v.slo_missed))
@@ -173,9 +186,6 @@ class AttributionSampler(Sampler):
                 slow.append((r, v))
             self._accumulate(r, v)
 
-        self._recent.extend(ready)
-        while self._recent and self._recent[0].end < now - NEIGHBOUR_HORIZON_S:
-            self._recent.popleft()
         windows = self._due_windows(now)
         if slow or windows:
             lo = min(
@@ -193,7 +203,7 @@ class AttributionSampler(Sampler):
                 extended,
             )
             for r, v in slow:
-                a = self.attributor.attribute_request(sig, r, v, self._neighbours(r))
+                a = self.attributor.attribute_request(sig, r, v, self._neighbours(r, pool, ends))
                 self.store.add_attribution(a)
                 if self.span_sink is not None:
                     try:
@@ -226,13 +236,23 @@ class AttributionSampler(Sampler):
                 out[i] = sum(vals) / len(vals)
         return out
 
-    def _neighbours(self, r: RequestRecord) -> list[RequestRecord]:
-        """Known records of ``r``'s engine (settled, pending) that overlap its lifetime."""
-        return [
-            o
-            for o in (*self._recent, *self._pending)
-            if o.engine == r.engine and o is not r and o.start <= r.end and o.end >= r.start
-        ]
+    @staticmethod
+    def _neighbours(
+        r: RequestRecord, pool: list[RequestRecord], ends: list[float]
+    ) -> list[RequestRecord]:
+        """Known records of ``r``'s engine (settled, pending) that overlap its lifetime.
+
+        Args:
+            r: the record.
+            pool: the known records sorted by end.
+            ends: their ends, in the same order.
+
+        Only records that ended from ``r``'s start to :data:`NEIGHBOUR_AFTER_S` after its
+        end are looked at.
+        """
+        lo = bisect.bisect_left(ends, r.start)
+        hi = bisect.bisect_right(ends, r.end + NEIGHBOUR_AFTER_S)
+        return [o for o in pool[lo:hi] if o.engine == r.engine and o is not r and o.start <= r.end]
 
     def _accumulate(self, r: RequestRecord, v: Verdict) -> None:
         start = r.end - (r.end % self.window_s)

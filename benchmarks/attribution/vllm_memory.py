@@ -38,14 +38,19 @@ new requests):
   requests. The hogs started before the scenario's time range, so their own records are
   not counted in it.
 
-* ``decode``: decode-phase preemption. 4 decode hogs (32 prompt + 1,500 output tokens,
-  growing to 12 blocks each) start 1 s ahead; then ``--decode-requests`` (16) concurrent
-  clients send 32 prompt + 600 output tokens, 50 ms apart: each is admitted at once (1
-  block; TTFT stays calm) and grows to 5 blocks, 128 blocks in all for the 48 that exist,
-  so vLLM preempts the newest running requests, these, in their decode; they wait for
-  blocks until the hogs finish and are recomputed. Target: >= 90 %
-  of the requests flagged slow (their time per output token, not their TTFT) and >= 90 %
-  of those attributed to memory with ``preemptions`` in their top evidence.
+* ``decode``: decode-phase preemption. 4 decode hogs and ``--decode-requests`` (16)
+  concurrent clients, all with 32-token prompts (1 block: admitted at once, TTFT stays
+  calm), the clients' requests 50 ms apart, the hogs 1 s ahead. Their output lengths come
+  from the KV capacity vLLM reports (``cache_config_info``, read through the agent; see
+  :func:`decode_shapes`): the hogs hold half the cache at full length, and the clients'
+  requests together ask for 6 times the cache (at most the 2,048-token context each), so
+  vLLM runs out of blocks early in their decode and preempts the newest running requests,
+  these; on the tiny model a preempted request is recomputed in milliseconds, so what
+  slows its decode is the wait for blocks, in waves, until the requests ahead of it finish.
+  (With fixed sizes, 600 output tokens, the cache filled only at the end of the decode: +1
+  or +16 preemptions, nothing slow; twice the capacity gave +6 and nothing slow.) Target:
+  >= 90 % of the requests flagged slow (their time per output token, not their TTFT) and
+  >= 90 % of those attributed to memory with ``preemptions`` in their top evidence.
 
   Why hogs and long outputs: without the hogs, the first wave of a burst into an idle
   engine is slow (TTFT 0.07-0.3 s against the 50 ms baseline threshold) only because
@@ -151,11 +156,52 @@ MEMORY = Shape(concurrency=12, prompt_tokens=512, max_tokens=1200)
 HOGS = Shape(concurrency=4, prompt_tokens=512, max_tokens=1500)
 DECODE = Shape(concurrency=16, prompt_tokens=32, max_tokens=600)
 """Decode-phase preemption: 16 short prompts (1 block each: admitted at once, TTFT fine)
-growing to 5 blocks each while the decode hogs grow too: vLLM preempts the newest running
-requests (these) in their decode, and they wait for blocks until the hogs finish."""
+growing while the decode hogs grow too: vLLM preempts the newest running requests (these)
+in their decode, and they wait for blocks until the hogs finish. ``max_tokens`` here is
+only the fallback; the run sizes it from the engine's KV capacity (:func:`decode_shapes`)."""
 DECODE_HOGS = Shape(concurrency=4, prompt_tokens=32, max_tokens=1500)
-"""Older requests that grow to 12 blocks each (48 for 4): vLLM never preempts them (it
-preempts the newest), so they hold the KV the scenario's requests need."""
+"""Older requests that vLLM never preempts (it preempts the newest), so they hold the KV
+the scenario's requests need; sized by :func:`decode_shapes` like :data:`DECODE`."""
+MAX_MODEL_LEN = 2048
+"""The server's ``--max-model-len`` (``vllm_support.server_argv``): no request is longer."""
+DECODE_DEMAND = 6.0
+"""The decode scenario's requests, at full length, ask for this many times the KV cache:
+on the tiny model a preempted request is recomputed in milliseconds, so only the wait for
+blocks makes its decode slow, and it waits in waves (about ``DECODE_DEMAND`` of them) for
+the requests ahead of it to finish and free their blocks."""
+DECODE_HOG_SHARE = 0.5
+"""The decode hogs, at full length, hold this share of the KV cache between them."""
+
+
+def decode_shapes(
+    capacity_tokens: int, requests: int, hogs: int = DECODE_HOGS.concurrency
+) -> tuple[Shape, Shape]:
+    """The decode scenario's requests and hogs for a KV cache of ``capacity_tokens``.
+
+    Every request has a short prompt (one block: admitted at once, TTFT calm). The
+    scenario's ``requests`` generate ``DECODE_DEMAND x capacity / (requests + hogs) -
+    prompt`` tokens each, the ``hogs`` (older, so never the ones preempted)
+    ``DECODE_HOG_SHARE x capacity / hogs - prompt``, both at most what ``--max-model-len``
+    allows: the cache is full after a fraction of the scenario's decode, and vLLM preempts
+    the newest running requests, the scenario's, which wait for blocks in their decode.
+
+    Raises:
+        ValueError: the cache is too small for every request's prompt plus a few tokens.
+    """
+    prompt = DECODE.prompt_tokens
+    if capacity_tokens // (requests + hogs) < prompt + 8:
+        raise ValueError(
+            f"a KV cache of {capacity_tokens} tokens cannot admit {requests + hogs} requests"
+        )
+    longest = MAX_MODEL_LEN - prompt
+    out = int(DECODE_DEMAND * capacity_tokens / (requests + hogs)) - prompt
+    hog_out = int(DECODE_HOG_SHARE * capacity_tokens / max(hogs, 1)) - prompt
+    return (
+        Shape(requests, prompt, max(1, min(longest, out))),
+        Shape(hogs, prompt, max(1, min(longest, hog_out))),
+    )
+
+
 DECODE_HOG_LEAD_S = 1.0
 """The decode hogs start this long before the scenario's requests: long enough to be the
 older requests, short enough that the KV still has room to admit the scenario's (TTFT)."""
@@ -173,9 +219,9 @@ class VllmScenarioResult(bench.ScenarioResult):  # type: ignore[name-defined,mis
     preemptions: float = 0.0
 
 
-def _blocks(shape: Shape) -> int:
+def _blocks(shape: Shape, block_tokens: int = BLOCK_TOKENS) -> int:
     """KV blocks one request of ``shape`` holds at full length."""
-    return -(-(shape.prompt_tokens + shape.max_tokens) // BLOCK_TOKENS)
+    return -(-(shape.prompt_tokens + shape.max_tokens) // block_tokens)
 
 
 def _preemptions(vllm_url: str) -> float:
@@ -244,6 +290,31 @@ class Bench:
         self.vllm: subprocess.Popen[bytes] | None = None
         self.agent: subprocess.Popen[bytes] | None = None
         self.sent = 0
+        self.kv_blocks, self.block_tokens = KV_BLOCKS, BLOCK_TOKENS
+
+    def read_kv_capacity(self) -> int:
+        """The KV cache's capacity in tokens as the engine reports it (vLLM's
+        ``cache_config_info``, read through the agent's
+        ``kvpressure_engine_kv_cache_capacity_tokens`` and ``..._block_size_tokens``); the
+        configured 48 x 128 when the agent has not derived it."""
+        snap = httpx.get(f"{self.agent_url}/api/v1/snapshot", timeout=5).json()
+        got: dict[str, float] = {}
+        for s in snap["samples"]:
+            if s["labels"].get("engine") == ENGINE and s["name"] in (
+                "kvpressure_engine_kv_cache_capacity_tokens",
+                "kvpressure_engine_kv_cache_block_size_tokens",
+            ):
+                got[s["name"]] = float(s["value"])
+        cap = got.get("kvpressure_engine_kv_cache_capacity_tokens")
+        block = got.get("kvpressure_engine_kv_cache_block_size_tokens")
+        if cap is None or cap <= 0:
+            log(f"vLLM's KV capacity not reported; assuming {KV_BLOCKS} x {BLOCK_TOKENS}")
+            return KV_BLOCKS * BLOCK_TOKENS
+        if block is not None and block > 0:
+            self.block_tokens = int(block)
+            self.kv_blocks = int(cap // block)
+        log(f"vLLM reports a KV cache of {cap:.0f} tokens ({self.kv_blocks} blocks)")
+        return int(cap)
 
     @property
     def vllm_url(self) -> str:
@@ -408,16 +479,16 @@ class Bench:
         queue = res.agent_phases.get("queue", {})
         res.fault = (
             f"{shape.concurrency} x {shape.prompt_tokens}+{shape.max_tokens} tokens "
-            f"({shape.concurrency * _blocks(shape)} KV blocks at full length"
+            f"({shape.concurrency * _blocks(shape, self.block_tokens)} KV blocks at full length"
         )
         if hogs is not None and hogs.concurrency > 0:
             res.fault += (
                 f", after {hogs.concurrency} KV hogs x {hogs.prompt_tokens}+{hogs.max_tokens} "
-                f"({hogs.concurrency * _blocks(hogs)} blocks) started "
+                f"({hogs.concurrency * _blocks(hogs, self.block_tokens)} blocks) started "
                 f"{lead:g}s ahead"
             )
         res.fault += (
-            f"; {KV_BLOCKS} blocks exist); vLLM preemptions +{res.preemptions:.0f}; "
+            f"; {self.kv_blocks} blocks exist); vLLM preemptions +{res.preemptions:.0f}; "
             f"span queue time p95 {queue.get('p95', float('nan')):.2f}s"
         )
         if name == "calm":
@@ -523,11 +594,13 @@ def run(args: argparse.Namespace) -> tuple[list[Any], dict[str, Any], str, bool,
     memory = Shape(args.memory_concurrency, args.memory_prompt_tokens, args.memory_max_tokens)
     hogs = Shape(args.kv_hogs, HOGS.prompt_tokens, args.hog_max_tokens)
     shapes = {"calm": CALM, "memory": memory, "decode": DECODE}
+    decode_hogs = DECODE_HOGS
     t_begin = time.time()
     try:
         log(f"starting vLLM (work dir {work})")
         log(f"vLLM ready in {b.start_vllm():.1f}s; starting the agent")
         b.start_agent()
+        shapes["decode"], decode_hogs = decode_shapes(b.read_kv_capacity(), args.decode_requests)
         log(f"warm-up: {args.warmup} calm requests (baseline)")
         b.load(args.warmup, CALM, seed=1000)
         b.wait_records(t_begin)
@@ -540,7 +613,7 @@ def run(args: argparse.Namespace) -> tuple[list[Any], dict[str, Any], str, bool,
                     shapes[name],
                     2000 + 100 * i,
                     t_begin,
-                    hogs if name == "memory" else DECODE_HOGS if name == "decode" else None,
+                    hogs if name == "memory" else decode_hogs if name == "decode" else None,
                 )
             )
         b.wait_records(t_begin)

@@ -1,0 +1,206 @@
+"""Co-scheduled work in the expected cost (issue 13): interference is slow only when abnormal.
+
+A small discrete-event model of a llama.cpp-like engine (each step prefills every waiting
+prompt whole and decodes one token of every running request; a step costs a fixed part plus
+a per-prompt-token and a per-decoder part) serves closed-loop streams; its records go
+through the real :class:`AttributionSampler` and :class:`SlowDetector`:
+
+* a calm mixed-length workload (two streams, one prompt in ten 1,650 tokens) is the
+  engine's normal: the short requests that wait behind, or decode beside, a long prefill
+  are not slow (the old detector flags most of them);
+* a stream of long prompts back to back beside the short streams is interference beyond
+  the engine's normal: the short requests it holds up are slow;
+* an engine slowed for every request (a compute fault) is still slow, the co-scheduled
+  allowance did not widen the fit;
+* a burst for more requests than slots soon after the start (the co-scheduled work's
+  usual level is still being learnt) is slow: the burst is not its own normal.
+
+Run against the code before the co-scheduled model the first test fails on its assertion
+(29 of 300 slow); the others pass there too (that code excused nothing): they guard
+against the model excusing too much.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+from kvpressure.agent.attribution.detector import SlowDetector
+from kvpressure.agent.attribution.engine import Attributor
+from kvpressure.agent.attribution.rules import Params
+from kvpressure.agent.attribution.sampler import AttributionSampler
+from kvpressure.agent.attribution.store import AttributionStore
+from kvpressure.agent.requests.record import RequestRecord, RequestStream
+from kvpressure.agent.samples import Batch
+from kvpressure.agent.timeline import Timeline
+
+T = 1_800_000_000.0
+ENG = "llamacpp"
+SHORT, LONG = 55, 1650
+OUT = 16
+
+
+@dataclass
+class _Req:
+    stream: int
+    arrival: float
+    prompt: int
+    out: int
+    prefilled: bool = False
+    prefill_s: float = 0.0
+    tokens: list[float] = field(default_factory=list)
+
+
+@dataclass
+class Engine:
+    """One engine step: ``base + per_prompt_token x prompt tokens + per_decoder x decoders``
+    seconds (2 CPU cores: a 1,650-token prompt costs about 2.5 s)."""
+
+    base: float = 0.02
+    per_prompt_token: float = 0.0015
+    per_decoder: float = 0.008
+    slowdown: float = 1.0
+
+    def step_s(self, prompt_tokens: int, decoders: int) -> float:
+        raw = self.base + self.per_prompt_token * prompt_tokens + self.per_decoder * decoders
+        return raw * self.slowdown
+
+
+def simulate(
+    engine: Engine,
+    streams: list[list[int]],
+    t0: float,
+    seed: int = 0,
+    slots: int = 4,
+    out: int = OUT,
+) -> tuple[list[RequestRecord], float]:
+    """Serve closed-loop ``streams`` (each a list of prompt sizes, sent one after another,
+    0-100 ms apart: a client's own time between requests) on ``slots`` slots, ``out``
+    tokens each.
+
+    Returns the records (in the order they ended) and the time the last one ended.
+    """
+    rng = random.Random(seed)
+    pos = [0] * len(streams)
+    waiting: list[_Req] = []
+    running: list[_Req] = []
+    done: list[RequestRecord] = []
+    now = t0
+    for k, s in enumerate(streams):
+        waiting.append(_Req(k, now + rng.uniform(0, 0.1), s[0], out))
+        pos[k] = 1
+    while waiting or running:
+        batch = [r for r in waiting if r.arrival <= now][: max(0, slots - len(running))]
+        if not batch and not running:
+            now = min(r.arrival for r in waiting)
+            continue
+        dur = engine.step_s(sum(r.prompt for r in batch), len(running))
+        now += dur
+        for r in running:
+            r.tokens.append(now)
+        for r in batch:
+            waiting.remove(r)
+            r.prefilled, r.prefill_s = True, dur
+            r.tokens.append(now)
+            running.append(r)
+        for r in [r for r in running if len(r.tokens) >= r.out]:
+            running.remove(r)
+            ttft = r.tokens[0] - r.arrival
+            gaps = tuple(b - a for a, b in zip(r.tokens, r.tokens[1:], strict=False))
+            done.append(RequestRecord(
+                ENG, r.arrival, now, ttft_s=ttft, e2e_s=now - r.arrival, prefill_s=r.prefill_s,
+                decode_s=now - r.tokens[0], itl_s=gaps, input_tokens=r.prompt,
+                output_tokens=r.out,
+            ))  # fmt: skip
+            s = streams[r.stream]
+            if pos[r.stream] < len(s):
+                think = rng.uniform(0, 0.1)
+                waiting.append(_Req(r.stream, now + think, s[pos[r.stream]], out))
+                pos[r.stream] += 1
+    done.sort(key=lambda r: r.end)
+    return done, now
+
+
+def mixed(n: int, rng: random.Random) -> list[int]:
+    """``n`` prompts, one in ten (at a random place in each ten) long."""
+    out = [SHORT] * n
+    for k in range(0, n, 10):
+        out[min(n - 1, k + rng.randrange(10))] = LONG
+    return out
+
+
+class Harness:
+    """The real sampler over a record stream, its clock following the simulated time."""
+
+    def __init__(self) -> None:
+        self.now = T
+        self.stream = RequestStream()
+        self.store = AttributionStore(recent_attributions=100000, recent_requests=100000)
+        self.sampler = AttributionSampler(
+            self.stream, Timeline(4096, 1000), self.store, SlowDetector(),
+            Attributor(Params()), settle_s=1.0, clock=lambda: self.now,
+        )  # fmt: skip
+
+    def feed(self, records: list[RequestRecord]) -> None:
+        for r in records:
+            self.now = r.end
+            self.stream.submit(r)
+            self.sampler.collect(Batch())
+        self.now += 5.0
+        self.sampler.collect(Batch())
+
+    def slow_in(self, records: list[RequestRecord]) -> list[RequestRecord]:
+        slow = {(a.start, a.end) for a in self.store.attributions()}
+        return [r for r in records if (r.start, r.end) in slow]
+
+
+def calm_mixed(h: Harness, n: int, seed: int, t0: float, eng: Engine | None = None):
+    rng = random.Random(seed)
+    recs, end = simulate(eng or Engine(), [mixed(n, rng), mixed(n, rng)], t0, seed)
+    h.feed(recs)
+    return recs, end
+
+
+def test_a_calm_mixed_workload_is_the_engines_normal():
+    h = Harness()
+    _, end = calm_mixed(h, 30, 1, T)  # warm-up: 60 requests of the workload itself
+    recs, _ = calm_mixed(h, 150, 2, end + 1)
+    short = [r for r in recs if r.input_tokens == SHORT]
+    held = [r for r in short if (r.ttft_s or 0.0) > 0.5 or max(r.itl_s) > 0.5]
+    assert len(held) >= 0.1 * len(short)  # the workload does hold short requests up...
+    slow = h.slow_in(recs)  # ...but that is its normal
+    assert len(slow) <= 0.02 * len(recs), [(r.input_tokens, r.ttft_s) for r in slow]
+
+
+def test_back_to_back_long_prompts_beside_the_calm_streams_are_interference():
+    h = Harness()
+    _, end = calm_mixed(h, 150, 1, T)
+    blockers = [1800] * 40
+    recs, _ = simulate(Engine(), [[SHORT] * 40, [SHORT] * 40, blockers], end + 1, 3)
+    h.feed(recs)
+    short = [r for r in recs if r.input_tokens == SHORT]
+    later = short[len(short) // 3 :]  # once the change shows in the recent requests
+    slow = h.slow_in(later)
+    assert len(slow) >= 0.9 * len(later)
+    names = {a.cause for a in h.store.attributions() if (a.start, a.end) in
+             {(r.start, r.end) for r in slow}}  # fmt: skip
+    assert names == {"prefill_interference"}
+
+
+def test_a_slower_engine_is_still_slow_after_a_mixed_workload():
+    h = Harness()
+    _, end = calm_mixed(h, 150, 1, T)
+    recs, _ = calm_mixed(h, 40, 4, end + 1, Engine(slowdown=3.0))
+    short = [r for r in recs if r.input_tokens == SHORT]
+    assert len(h.slow_in(short)) >= 0.9 * len(short)
+
+
+def test_a_burst_soon_after_the_start_is_not_its_own_normal():
+    h = Harness()
+    recs, end = simulate(Engine(), [[SHORT] * 35, [SHORT] * 35], T)  # 70 calm requests
+    h.feed(recs)
+    burst, _ = simulate(Engine(), [[400] * 3 for _ in range(8)], end + 1, 2, out=32)
+    h.feed(burst)
+    queued = [r for r in burst if (r.ttft_s or 0.0) > 2.0]  # 10x a calm one: waited
+    assert len(queued) >= 15
+    assert len(h.slow_in(queued)) == len(queued)
