@@ -45,6 +45,7 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import psutil
 import yaml
@@ -206,13 +207,16 @@ def fake_nvml_cost() -> float:
     from kvpressure.agent.samplers.gpu import GpuSampler
     from kvpressure.agent.samples import Batch
 
-    sampler = GpuSampler(binding="fake:h100-sxm", interval_s=0.1)
+    return _cycle_ms(GpuSampler(binding="fake:h100-sxm", interval_s=0.1), Batch, 50)
+
+
+def _cycle_ms(sampler: Any, batch: Any, n: int) -> float:
+    """Milliseconds of CPU per ``sampler.collect`` over ``n`` cycles, after 5 warm-up ones."""
     for _ in range(5):
-        sampler.collect(Batch())
-    n = 50
+        sampler.collect(batch())
     c0 = time.process_time()
     for _ in range(n):
-        sampler.collect(Batch())
+        sampler.collect(batch())
     return (time.process_time() - c0) / n * 1e3
 
 
@@ -222,14 +226,7 @@ def host_cycle_cost() -> float:
     from kvpressure.agent.samplers.host import HostSampler
     from kvpressure.agent.samples import Batch
 
-    sampler = HostSampler()
-    for _ in range(5):
-        sampler.collect(Batch())
-    n = 200
-    c0 = time.process_time()
-    for _ in range(n):
-        sampler.collect(Batch())
-    return (time.process_time() - c0) / n * 1e3
+    return _cycle_ms(HostSampler(), Batch, 200)
 
 
 def main() -> int:
