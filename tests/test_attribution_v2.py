@@ -56,6 +56,38 @@ def test_a_decode_stall_after_a_calm_first_token_is_slow():
         assert v.start == T + 100 + i + 0.06
 
 
+def test_the_noise_of_short_decodes_does_not_hide_a_long_decode_slowed_several_times():
+    # calm: 16-token decodes at 3 ms per token, one in five with a 90 ms hiccup (3x per token)
+    d = SlowDetector()
+    for i in range(60):
+        v = d.judge(span(i, 0.01, 15 * 0.003 + (0.09 if i % 5 == 0 else 0.0), out=16))
+        assert v is not None and not v.slow
+    # 1,800 tokens at the usual rate with three such hiccups: not slow
+    v = d.judge(span(70, 0.01, 1799 * 0.003 + 0.27, out=1800))
+    assert v is not None and not v.slow
+    # 1,800 tokens at 11 ms per token (3.7x; a request preempted and waiting for KV blocks
+    # in waves): slow on its time per output token, though under the 16-token decodes' spread
+    v = d.judge(span(80, 0.01, 1799 * 0.011, out=1800))
+    assert v is not None and v.slow and v.phase == "tpot"
+    assert v.threshold_s < 0.006
+    # a 16-token decode at that rate is within the short decodes' usual spread
+    v = d.judge(span(90, 0.01, 15 * 0.011 - 0.03, out=16))
+    assert v is not None and not v.slow
+
+
+def test_long_decodes_keep_their_own_spread():
+    # long decodes whose time per token varies by +-30 % (context length, batch mix) teach
+    # that spread: a long one at 1.45x is not slow, one at 3x is
+    d = SlowDetector()
+    for i in range(60):
+        v = d.judge(span(i, 0.01, 999 * 0.003 * (0.7 + 0.6 * (i % 7) / 6), out=1000))
+        assert v is not None and not v.slow
+    v = d.judge(span(70, 0.01, 999 * 0.003 * 1.45, out=1000))
+    assert v is not None and not v.slow
+    v = d.judge(span(80, 0.01, 999 * 0.009, out=1000))
+    assert v is not None and v.slow and v.phase == "tpot"
+
+
 def test_a_decode_stall_is_judged_on_the_longest_gap_of_a_stream():
     d = SlowDetector()
     gaps = (0.02,) * 15

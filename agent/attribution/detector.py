@@ -35,7 +35,17 @@ slow until larger batches have been seen not to be). For a request of size ``x``
     slow         = value > threshold(x)                       once >= min_requests are known
 
 so a 3,000-token prompt prefilled at the usual per-token rate is not slow, and a decode at
-45x the usual time per token is, whatever its TTFT. The SLOs (TTFT above ``slo_ttft_s``,
+45x the usual time per token is, whatever its TTFT.
+
+TPOT is a mean over the decode's ``m = output - 1`` tokens, and a mean's spread shrinks
+with what it averages: one 90 ms hiccup triples the TPOT of a 16-token decode and moves an
+1,800-token one by 2 %. So for TPOT each fitted ratio from a mean over ``n < m`` tokens
+enters the quantile as ``1 + (ratio_i - 1) sqrt(n / m)`` (the slower of the two shrink
+rates, independent per-token noise, against ``n / m`` for one hiccup); ratios of means over
+at least ``m`` tokens enter as they are (the spread of long decodes may be systematic:
+context length, batch mix). The noise of short decodes then does not hide a long decode
+slowed several times (preempted, waiting for KV blocks), and long decodes keep the spread
+they showed. The SLOs (TTFT above ``slo_ttft_s``,
 TPOT above ``slo_tpot_s``, end-to-end above ``slo_e2e_s`` for requests without a TTFT)
 judge a phase while its fit is warming up (fewer than ``min_requests`` points); after that
 a request that misses an SLO only because it is large is not slow (a long prompt on a slow
@@ -282,24 +292,35 @@ class CostModel:
 
     def __init__(self, size: int, proportional: bool = False) -> None:
         self.proportional = proportional
-        self.points: deque[tuple[float, float]] = deque(maxlen=size)
-        self._fit: tuple[float, float, list[float]] | None = None
+        # (size, value, tokens averaged in the value: 1 unless the value is a mean)
+        self.points: deque[tuple[float, float, float]] = deque(maxlen=size)
+        # intercept, slope, sorted ratios, ratios with their tokens, fewest tokens
+        self._fit: tuple[float, float, list[float], list[tuple[float, float]], float] | None
+        self._fit = None
         self._since_fit = 0
 
-    def add(self, x: float, y: float) -> None:
-        """Learn one not-slow observation: size ``x``, value ``y`` seconds."""
-        self.points.append((x, y))
+    def add(self, x: float, y: float, tokens: float = 1.0) -> None:
+        """Learn one not-slow observation.
+
+        Args:
+            x: the request's size (tokens or batch size).
+            y: the phase's value, seconds (per token for ``tpot``).
+            tokens: how many tokens ``y`` is the mean over (the decode's ``output - 1``
+                for ``tpot``; 1 for a phase that is one duration).
+        """
+        self.points.append((x, y, max(1.0, tokens)))
         self._since_fit += 1
 
-    def _model(self) -> tuple[float, float, list[float]]:
+    def _model(self) -> tuple[float, float, list[float], list[tuple[float, float]], float]:
         due = self._since_fit >= REFIT_EVERY or (
             self._since_fit > 0 and len(self.points) <= FIT_POINTS
         )
         if self._fit is None or due:
             pts = list(self.points)
-            a, b = theil_sen(pts[-FIT_POINTS:], self.proportional)
-            ratios = sorted(y / max(a + b * x, 1e-6) for x, y in pts)
-            self._fit = (a, b, ratios)
+            a, b = theil_sen([(x, y) for x, y, _ in pts[-FIT_POINTS:]], self.proportional)
+            weighted = [(y / max(a + b * x, 1e-6), n) for x, y, n in pts]
+            ratios = sorted(r for r, _ in weighted)
+            self._fit = (a, b, ratios, weighted, min(n for _, n in weighted))
             self._since_fit = 0
         return self._fit
 
@@ -309,20 +330,36 @@ class CostModel:
         Raises:
             ValueError: no point learnt yet.
         """
-        a, b, _ = self._model()
+        a, b, *_ = self._model()
         return max(a + b * x, 1e-6)
 
-    def threshold(self, x: float, q: float, factor: float, floor_s: float) -> tuple[float, float]:
+    def threshold(
+        self, x: float, q: float, factor: float, floor_s: float, tokens: float = 1.0
+    ) -> tuple[float, float]:
         """Return ``(threshold, expected)`` for size ``x`` (formula in the module docstring).
 
         The quantile is ``min(q, 1 - TAIL_POINTS / n)`` of the ``n`` ratios: a tail quantile
         of few points is set by one outlier, so it keeps :data:`TAIL_POINTS` above it.
 
+        A value that is a mean over ``tokens`` tokens (``tpot``) is judged against the
+        ratios as a mean over that many would have shown them: a point learnt from a mean
+        over ``n < tokens`` tokens enters as ``1 + (ratio - 1) x sqrt(n / tokens)`` (the
+        spread of a mean shrinks at least as the square root of what it averages when the
+        per-token noise is independent, and as ``n / tokens`` when it is one hiccup; the
+        slower is assumed); points over at least ``tokens`` tokens enter as they are (a
+        longer mean's deviation is not amplified: it may be systematic). So the noise of
+        16-token decodes does not hide a 1,800-token decode at 4 times their usual time
+        per token.
+
         Raises:
             ValueError: no point learnt yet.
         """
-        _, _, ratios = self._model()
+        _, _, ratios, weighted, fewest = self._model()
         exp = self.expected(x)
+        if tokens > fewest:
+            ratios = sorted(
+                r if n >= tokens else 1.0 + (r - 1.0) * math.sqrt(n / tokens) for r, n in weighted
+            )
         qq = min(q, 1.0 - TAIL_POINTS / len(ratios))
         return max(factor * quantile(ratios, max(qq, 0.5)) * exp, exp + floor_s), exp
 
@@ -551,7 +588,7 @@ class SlowDetector:
         if r.ttft_s is None and r.e2e_s is None:
             return None
         judged: list[PhaseVerdict] = []
-        learn: list[tuple[str, float, float]] = []
+        learn: list[tuple[str, float, float, float]] = []
 
         fitted: set[str] = set()
         missed: list[str] = []
@@ -577,6 +614,7 @@ class SlowDetector:
             b: float,
             floor: float | None = None,
             work_s: float | None = None,
+            tokens: float = 1.0,
         ) -> None:
             nonlocal explained
             m = self._models.get((r.engine, phase))
@@ -586,7 +624,7 @@ class SlowDetector:
             own = max(0.0, value - extra)
             if m is not None and len(m.points) >= self.min_requests:
                 fl = self._floor(phase) if floor is None else floor
-                thr, exp = m.threshold(size, self.q, self.factor, fl)
+                thr, exp = m.threshold(size, self.q, self.factor, fl, tokens)
                 judged.append(
                     PhaseVerdict(
                         phase, value, thr + extra, "baseline", exp + extra, size, a, b, allow
@@ -600,7 +638,7 @@ class SlowDetector:
                 # value's excess over the own cost, never more
                 own = value if value <= exp else max(exp, own)
             if not slow:  # the fit learns the request's own cost, net of the excused work
-                learn.append((phase, size, own))
+                learn.append((phase, size, own, tokens))
 
         def slo(phase: str, value: float, a: float, b: float) -> None:
             if value > self.slo[phase]:
@@ -638,7 +676,8 @@ class SlowDetector:
                 tpot = decode / (out - 1)
                 per_token = None if dec_work is None else dec_work / (out - 1)
                 # the floor is on the decode's seconds, spread over its tokens
-                fit("tpot", tpot, size, first, r.end, self.floor / (out - 1), per_token)
+                fit("tpot", tpot, size, first, r.end, self.floor / (out - 1), per_token,
+                    tokens=out - 1)  # fmt: skip
                 slo("tpot", tpot, first, r.end)
             if len(r.itl_s) >= 2:
                 # one co-scheduled prefill can fall into one gap: the largest is allowed there
@@ -653,12 +692,12 @@ class SlowDetector:
             sorted((p for p in judged if p.value_s > p.threshold_s), key=lambda p: -p.excess)
         )
         if r.outcome == "ok":
-            for phase, size, value in learn:
+            for phase, size, value, tokens in learn:
                 key = (r.engine, phase)
                 m = self._models.get(key)
                 if m is None:
                     m = self._models[key] = CostModel(self.size, phase in TOKEN_SIZED)
-                m.add(size, value)
+                m.add(size, value, tokens)
         if work is not None:
             self._coscheduled(r.engine).add(work, r.outcome == "ok" and explained)
         if slow_phases:
