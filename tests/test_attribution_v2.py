@@ -241,8 +241,9 @@ def attribute_one_slow_request(stale: bool):
     stream = RequestStream()
     s = AttributionSampler(
         stream, stale_timeline(stale=stale), store, SlowDetector(slo_ttft_s=2.0),
-        Attributor(Params()), settle_s=1.0, clock=lambda: T + 25,
+        Attributor(Params()), settle_s=1.0, clock=lambda: T + 41,
     )  # fmt: skip
+    # judged 31 s after its end: the engine claims 57 running, the agent knows this one
     stream.submit(RequestRecord(ENG, T + 5, T + 10, ttft_s=4.0, e2e_s=5.0))
     s.collect(Batch())
     (a,) = store.attributions()

@@ -4,7 +4,10 @@ It runs as a derived sampler named ``attribution`` on the daemon's schedule. Eac
 
 1. drains its consumer queue of the daemon's :class:`~agent.requests.record.RequestStream`
    and holds back records that ended less than ``settle_s`` ago (the samplers have not yet
-   taken the sample that covers the request's end);
+   taken the sample that covers the request's end), and, up to
+   :data:`HOLD_FOR_NEIGHBOURS_S`, records of an engine that ran more requests beside them
+   than the agent has records of (a long prompt that held a short request up ends after
+   its own decode, often long after the short one);
 2. judges every phase of every ready record (:class:`~agent.attribution.detector.
    SlowDetector`), with the engine's mean batch size over the record's decode
    (``kvpressure_engine_requests_running``, unless its statistics were stale) as the size
@@ -66,6 +69,10 @@ NEIGHBOUR_HORIZON_S = 600.0
 NEIGHBOUR_AFTER_S = 60.0
 """A record that ended more than this after another is not looked at as its neighbour (the
 scan over the known records, sorted by end, stops there): bounds the work per record."""
+
+HOLD_FOR_NEIGHBOURS_S = 30.0
+"""A settled record waits at most this long after its end for the records of requests that
+were running beside it and have not finished (:meth:`AttributionSampler._unseen_in_flight`)."""
 
 RUNNING: SampleName = "kvpressure_engine_requests_running"
 STATS_STALE: SampleName = "kvpressure_engine_stats_stale"
@@ -156,10 +163,11 @@ class AttributionSampler(Sampler):
             self._pending.popleft()
             self.dropped_records += 1
         cutoff = now - self.settle_s
+        held = self._unseen_in_flight(now, cutoff)
         ready: list[RequestRecord] = []
         keep: deque[RequestRecord] = deque()
         for r in self._pending:
-            if r.end <= cutoff and len(ready) < self.max_per_cycle:
+            if r.end <= cutoff and len(ready) < self.max_per_cycle and id(r) not in held:
                 ready.append(r)
             else:
                 keep.append(r)
@@ -213,6 +221,50 @@ class AttributionSampler(Sampler):
             for engine, start in windows:
                 self._attribute_window(sig, engine, start)
         self._emit(batch)
+
+    def _unseen_in_flight(self, now: float, cutoff: float) -> set[int]:
+        """``id()`` of the settled pending records to hold for a neighbour still in flight.
+
+        A record is held while its engine ran more requests at the last engine sample
+        before its end (``kvpressure_engine_requests_running``, summed over the engine's
+        series) than the agent knows records that were in flight then (settled, pending
+        and the record itself): a request that was running beside it has not finished yet,
+        and its prefill may be what held this one up (a long prompt's record ends after
+        its decode, often well after the short request it blocked). At most
+        :data:`HOLD_FOR_NEIGHBOURS_S` after the record's end, and not while the engine's
+        statistics are stale or have no sample in the record's life; an engine whose
+        requests the agent sees only in part (clients that bypass the proxy) has its
+        records judged that much later, never wrongly.
+        """
+        waiting = [
+            r for r in self._pending if r.end <= cutoff and r.end > now - HOLD_FOR_NEIGHBOURS_S
+        ]
+        if not waiting:
+            return set()
+        sig = Signals.from_timeline(
+            self.timeline,
+            (RUNNING, STATS_STALE),
+            min(r.start for r in waiting) - 2 * self.interval_s,
+            now,
+        )
+        pool = sorted((*self._recent, *self._pending), key=lambda o: o.end)
+        ends = [o.end for o in pool]
+        held: set[int] = set()
+        for r in waiting:
+            m = {"engine": r.engine}
+            stale = sig.gauge_values(STATS_STALE, r.start, r.end, m)
+            if stale and max(stale) >= 1.0:
+                continue
+            by_time = sig.gauge_by_time(RUNNING, r.start, r.end, m)
+            t = max(by_time, default=None)
+            if t is None or t < r.start:
+                continue  # no engine sample in the record's life
+            running = by_time[t]
+            lo = bisect.bisect_left(ends, t)
+            known = sum(1 for o in pool[lo:] if o.engine == r.engine and o.start <= t)
+            if running > known:
+                held.add(id(r))
+        return held
 
     def _batch_sizes(self, ready: list[RequestRecord], now: float) -> list[float | None]:
         """Mean ``requests_running`` of each record's engine over its decode, or ``None``."""
