@@ -14,7 +14,12 @@ Scenarios (each run as a separate ``kvpressure run`` process, ``--seconds`` long
 * ``node-1gpu``: the node with one fake GPU (``fake:h200``) (per-GPU slope: (node -
   node-1gpu) / 7);
 * ``node+poll``: the node with ``/metrics`` polled at 20 Hz with Prometheus' headers
-  (OpenMetrics, gzip), the way llm-d's endpoint picker polls.
+  (OpenMetrics, gzip), the way llm-d's endpoint picker polls;
+* ``host+poll``: ``host`` with ``/metrics`` polled the same way (the default exposition:
+  what an agent serves before any GPU or engine is attached).
+
+Each ``+poll`` scenario's excess over its base scenario, divided by the 20 scrapes a
+second, is printed as the CPU of one scrape (render, gzip and the HTTP handling).
 
 The engines are served by one separate process (its CPU is not the agent's), over
 kept-alive HTTP/1.1 connections with ``TCP_NODELAY``, as vLLM's uvicorn serves them. The fake
@@ -28,7 +33,7 @@ RSS (``VmHWM``) and node_exporter's RSS. Run it under ``flock /tmp/kvpressure-cp
 a shared machine. Usage::
 
     flock /tmp/kvpressure-cpu.lock .venv/bin/python benchmarks/node_cost.py [--seconds 30]
-        [--scenarios host,node,node-1s,node+16,node-1gpu,node+poll]
+        [--scenarios host,host+poll,node,node-1s,node+16,node-1gpu,node+poll]
 """
 
 from __future__ import annotations
@@ -109,7 +114,8 @@ def get(url: str, headers: dict[str, str] | None = None) -> bytes:
 
 
 def scenario_config(name: str, port: int, engine_ports: list[int]) -> dict[str, object]:
-    engines = 0 if name == "host" else 16 if name == "node+16" else 8
+    host_only = name in ("host", "host+poll")
+    engines = 0 if host_only else 16 if name == "node+16" else 8
     cfg: dict[str, object] = {
         "listen": f"127.0.0.1:{port}",
         "interval_s": 0.1,
@@ -118,13 +124,13 @@ def scenario_config(name: str, port: int, engine_ports: list[int]) -> dict[str, 
         "gpu": {"binding": "fake:h200" if name == "node-1gpu" else "fake:h100-sxm"},
         "samplers": {
             "host": {"enabled": True},
-            "gpu": {"enabled": name != "host"},
+            "gpu": {"enabled": not host_only},
             "engines": {
                 "enabled": engines > 0,
                 "interval_s": 1.0,
                 "gauges_interval_s": None if name == "node-1s" else 0.1,
             },
-            "capacity": {"enabled": name != "host"},
+            "capacity": {"enabled": not host_only},
         },
         "engines": [
             {"name": f"vllm{i}", "type": "vllm", "url": f"http://127.0.0.1:{engine_ports[i]}"}
@@ -171,7 +177,7 @@ def run(
                     )
 
         threads = [threading.Thread(target=scrape_ne, daemon=True)]
-        if name == "node+poll":
+        if name.endswith("+poll"):
             threads.append(threading.Thread(target=poll, daemon=True))
         for t in threads:
             t.start()
@@ -232,7 +238,9 @@ def host_cycle_cost() -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, default=30.0)
-    ap.add_argument("--scenarios", default="host,node,node-1s,node+16,node-1gpu,node+poll")
+    ap.add_argument(
+        "--scenarios", default="host,host+poll,node,node-1s,node+16,node-1gpu,node+poll"
+    )
     args = ap.parse_args()
     exe = shutil.which("prometheus-node-exporter") or shutil.which("node_exporter")
     if exe is None:
@@ -292,11 +300,14 @@ def main() -> int:
             f"per GPU (at 0.1 s, fake NVML included): {(n['agent_pct'] - o['agent_pct']) / 7:+.2f}"
             f" % of a core, {(n['agent_rss'] - o['agent_rss']) / 7:+.2f} MiB"
         )
-    if "node" in rows and "node+poll" in rows:
-        print(
-            "/metrics polled at 20 Hz: "
-            f"{rows['node+poll']['agent_pct'] - rows['node']['agent_pct']:+.2f} % of a core"
-        )
+    for base in ("host", "node"):
+        if base in rows and base + "+poll" in rows:
+            extra = rows[base + "+poll"]["agent_pct"] - rows[base]["agent_pct"]
+            print(
+                f"/metrics polled at 20 Hz ({base}, {rows[base + '+poll']['lines']:.0f} lines): "
+                f"{extra:+.2f} % of a core = {extra / 100 / 20 * 1e3:.2f} ms CPU per scrape "
+                "(targets: 1 % of a core, 1 ms per scrape)"
+            )
     print(f"host sampler cycle, in-process: {host_cycle_cost():.2f} ms (target <= 0.5 ms)")
     cycle = fake_nvml_cost()
     print(f"GPU sampler cycle for 8 fake GPUs, in-process (agent + fake NVML): {cycle:.2f} ms")

@@ -17,12 +17,18 @@ process CPU time of parse, normalize and both, per scrape and per MB, twice: wit
 ``prometheus_client`` alone and every family kept (the agent before the fast path), and
 with the fast path and the families the vLLM mapping never reads skipped (the agent now);
 the target is 50 ms per MB. ``--profile`` adds a cProfile of two scrapes.
+
+The garbage collector runs as inside ``kvpressure run`` (start-up objects frozen, young
+passes every 10,000 allocations: :data:`agent.cli.GC_THRESHOLDS`); ``--python-gc`` keeps
+Python's default thresholds (700, 10, 10), under which a scrape's ~100,000 short-lived
+objects trigger a young pass every 700 allocations.
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import io
 import logging
 import pstats
@@ -35,6 +41,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from kvpressure.agent.cli import GC_THRESHOLDS  # noqa: E402
 from kvpressure.agent.samplers.engines import ENGINE_TYPES  # noqa: E402
 from kvpressure.agent.samplers.engines.exposition import parse_exposition  # noqa: E402
 from kvpressure.agent.samplers.engines.normalize import Normalizer  # noqa: E402
@@ -99,8 +106,16 @@ def main() -> None:
     ap.add_argument("--mb", default="1.0,3.4", help="exposition sizes in MB, comma-separated")
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--profile", action="store_true", help="cProfile two scrapes")
+    ap.add_argument(
+        "--python-gc", action="store_true", help="Python's GC thresholds, not the agent's"
+    )
     args = ap.parse_args()
     logging.disable(logging.WARNING)  # the synthetic body repeats series on purpose
+    if not args.python_gc:
+        gc.collect()
+        gc.freeze()
+        gc.set_threshold(*GC_THRESHOLDS)
+    print(f"garbage collector thresholds: {gc.get_threshold()}")
 
     for mb in (float(x) for x in args.mb.split(",")):
         body, models = build(int(mb * 1_000_000))

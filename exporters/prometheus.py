@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gzip
 import logging
+import math
 import re
 import threading
 from collections import defaultdict
@@ -243,6 +244,9 @@ class Encoder:
 
     def __init__(self) -> None:
         self._prefix: dict[tuple[str, tuple[tuple[str, str], ...]], str] = {}
+        # each series' last line and the value it was written for: a value that did not
+        # change since the last rendering (most of a node's series) is not formatted again
+        self._lines: dict[tuple[str, tuple[tuple[str, str], ...]], tuple[float, str]] = {}
 
     def encode(
         self,
@@ -275,6 +279,9 @@ class Encoder:
             series.setdefault((s.name, s.labels), s.value)
         if len(self._prefix) > _PREFIXES_KEPT:
             self._prefix.clear()
+        if len(self._lines) > _PREFIXES_KEPT:
+            self._lines.clear()
+        lines = self._lines
         out: list[str] = []
         for name, metric in CATALOGUE.items():
             series = grouped.get(name)
@@ -294,13 +301,23 @@ class Encoder:
                 out.append(f"# HELP {mname} {doc}\n# TYPE {mname} {typ}\n")
             prefixes = self._prefix
             for key, value in series.items():
+                last = lines.get(key)
+                if (
+                    last is not None
+                    and last[0] == value
+                    and (value or math.copysign(1.0, value) == math.copysign(1.0, last[0]))
+                ):
+                    out.append(last[1])  # the same value (a zero of the same sign)
+                    continue
                 prefix = prefixes.get(key)
                 if prefix is None:
                     prefix = self._line_prefix(key, family)
                     if prefix is None:
                         return None
                     prefixes[key] = prefix
-                out.append(f"{prefix} {_go(value)}\n")
+                line = f"{prefix} {_go(value)}\n"
+                lines[key] = (value, line)
+                out.append(line)
         if openmetrics:
             out.append("# EOF\n")
         return "".join(out).encode("utf-8")

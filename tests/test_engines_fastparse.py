@@ -22,6 +22,7 @@ from test_engines_property import mutated
 
 from kvpressure.agent.samplers.engines import ENGINE_TYPES
 from kvpressure.agent.samplers.engines.exposition import (
+    LabelSet,
     ParseResult,
     parse_exposition,
     parse_text,
@@ -332,3 +333,75 @@ def test_fast_path_equals_library_on_mutated_fixtures(
     body: str, wanted: frozenset[str] | None
 ) -> None:
     assert_same(body, None, wanted)
+
+
+@PROFILE
+@given(lines=_LINES | _STRICT_LINES, wanted=st.sampled_from(WANTED))
+def test_a_second_parse_of_the_same_body_still_equals_the_library(
+    lines: list[str], wanted: frozenset[str] | None
+) -> None:
+    # the second parse splits lines whose label text is known without the line's regular
+    # expression: it must accept and reject exactly what the first (and the library) did
+    body = "\n".join(lines) + "\n"
+    assert_same(body, None, wanted)
+    assert_same(body, None, wanted)
+
+
+def test_samples_written_with_one_label_text_share_one_read_only_label_set() -> None:
+    body = (
+        "# TYPE x histogram\n"
+        'x_bucket{m="a",le="1"} 1\nx_bucket{m="a",le="+Inf"} 2\n'
+        'x_count{m="a"} 2\nx_sum{m="a"} 1.5\n'
+    )
+    first = parse_exposition(body, None).families[0].samples
+    again = parse_exposition(body, None).families[0].samples
+    assert first[2].labels is first[3].labels is again[2].labels  # parsed once per text
+    assert first[0].labels == {"m": "a", "le": "1"}  # equal to the library's dict
+    assert isinstance(first[0].labels, LabelSet)
+    assert first[0].labels.pairs == (("le", "1"), ("m", "a"))
+    assert first[1].labels.bucket == ((("m", "a"),), math.inf)
+    with pytest.raises(TypeError):
+        first[0].labels["m"] = "b"  # type: ignore[index]
+    with pytest.raises(TypeError):
+        first[0].labels.pop("m")
+    assert dict(first[0].labels) == {"m": "a", "le": "1"}  # a copy is an ordinary dict
+
+
+def test_created_families_are_skipped_and_normalize_the_same() -> None:
+    # Python clients write an x_created gauge family beside each counter and histogram; no
+    # mapping reads a creation time, so it is skipped (counted, labels never kept)
+    body = (ROOT / "tests/fixtures/engines/vllm/0.32.0-cpu-kv-metrics-load.txt").read_text()
+    wanted = ENGINE_TYPES["vllm"].reads()
+    assert "vllm:prompt_tokens" in wanted and "vllm:prompt_tokens_created" not in wanted
+    whole = parse_exposition(body, None)
+    part = parse_exposition(body, None, wanted)
+    created = [f for f in whole.families if f.name.endswith("_created")]
+    assert len(created) > 10
+    assert not [f for f in part.families if f.name.endswith("_created")]
+    assert part.sample_count == whole.sample_count
+    assert _normalized("vllm", [body, body], wanted) == _normalized("vllm", [body, body], None)
+
+
+@pytest.mark.parametrize("etype", ["vllm", "sglang", "triton", "tgi", "llamacpp"])
+def test_normalizing_the_library_parse_equals_the_fast_parse(etype: str) -> None:
+    # the normalizer reads the fast path's shared label sets and the library's dicts alike
+    engines = ROOT / "tests" / "fixtures" / "engines"
+    bodies = [_read(p) for p in sorted(engines.rglob("*.txt")) if "openmetrics" not in p.name]
+    for i in range(len(bodies)):
+        pair = bodies[i : i + 2]
+        fast = Normalizer(ENGINE_TYPES[etype], "e", "h:1")
+        slow = Normalizer(ENGINE_TYPES[etype], "e", "h:1")
+        for j, body in enumerate(pair):
+            a = fast.normalize(parse_exposition(body, None), default_model="m", now=j * 5.0)
+            b = slow.normalize(
+                parse_exposition(body, None, fast_path=False), default_model="m", now=j * 5.0
+            )
+            assert [(s.name, s.labels, repr(s.value)) for s in a.samples] == [
+                (s.name, s.labels, repr(s.value)) for s in b.samples
+            ]
+            assert (a.models, a.missing, a.merged, a.emitted_labels) == (
+                b.models,
+                b.missing,
+                b.merged,
+                b.emitted_labels,
+            )

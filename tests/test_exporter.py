@@ -1,3 +1,4 @@
+import math
 import shutil
 import subprocess
 
@@ -246,3 +247,20 @@ def st_booleans():
     from hypothesis import strategies as st
 
     return st.booleans()
+
+
+@pytest.mark.parametrize("openmetrics", [False, True])
+def test_encoder_rewrites_a_series_line_when_its_value_changes(openmetrics):
+    # each series' line is kept with its value: a new value (a zero of the other sign, NaN
+    # included) is written again, an unchanged one reused; every body stays the library's
+    from kvpressure.agent.samples import Sample
+    from kvpressure.exporters.prometheus import Encoder
+
+    encoder = Encoder()
+    labels = (("gpu", "0"),)
+    for value in (1.0, 1.0, 0.0, -0.0, -0.0, 0.0, math.nan, math.nan, 2.5, 1e21, 1e21):
+        state = AgentState(Timeline())
+        b = Batch()
+        b.samples.append(Sample("kvpressure_gpu_memory_used_bytes", value, labels))
+        state.publish(SamplerReport("gpu", 1.0, 0.001, True, "", b))
+        assert encoder.encode(state.samples(), openmetrics) == _library(state, openmetrics)

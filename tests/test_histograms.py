@@ -205,3 +205,89 @@ def test_windows_are_never_negative_and_quantiles_stay_in_range(
         value = w.quantile(q, min_count=1)
         if value is not None:
             assert 0.0 <= value <= 5.0
+
+
+# --- the fast constructions equal the plain ones ----------------------------------------------
+
+_COUNTS = st.sampled_from([0.0, -0.0, 1.0, 2.0, 5.0, 7.5, -1.0, INF, math.nan])
+_BOUNDS = st.sampled_from([0.001, 0.1, 0.5, 1.0, 2.5, 10.0, -1.0, INF, -INF, math.nan])
+
+
+def _same(a: HistogramSnapshot | None, b: HistogramSnapshot | None) -> bool:
+    """Equal bounds, counts and sum, zero signs included (repr tells -0.0 from 0.0)."""
+    if a is None or b is None:
+        return a is b
+    return (repr(a.bounds), repr(a.cumulative), repr(a.sum)) == (
+        repr(b.bounds),
+        repr(b.cumulative),
+        repr(b.sum),
+    )
+
+
+@settings(max_examples=500, database=None, deadline=None)
+@given(
+    pairs=st.lists(st.tuples(_BOUNDS, _COUNTS), max_size=8)
+    | st.lists(_COUNTS, max_size=6).map(
+        lambda c: list(
+            zip((0.1, 0.5, 1.0, 2.5, 10.0, INF)[-len(c) :] if c else (), c, strict=False)
+        )
+    ),
+    sorted_counts=st.booleans(),
+    sum_=st.none() | st.floats(allow_nan=False),
+)
+def test_from_columns_is_from_buckets(
+    pairs: list[tuple[float, float]], sorted_counts: bool, sum_: float | None
+) -> None:
+    if sorted_counts:  # the shape engines write: counts non-decreasing along the bounds
+        counts = sorted(c for _, c in pairs if not math.isnan(c))
+        pairs = list(zip([b for b, _ in pairs][: len(counts)], counts, strict=True))
+    bounds = [b for b, _ in pairs]
+    counts = [c for _, c in pairs]
+    got = HistogramSnapshot.from_columns(bounds, counts, sum_)
+    assert _same(got, HistogramSnapshot.from_buckets(pairs, sum_))
+
+
+def _rebucket_reference(snap: HistogramSnapshot, bounds: tuple[float, ...]) -> HistogramSnapshot:
+    """The re-bucketing rule written out bound by bound (the plan must give the same)."""
+    out: list[float] = []
+    i = -1
+    for t in bounds:
+        while i + 1 < len(snap.bounds) and snap.bounds[i + 1] <= t * (1.0 + 1e-9):
+            i += 1
+        out.append(snap.cumulative[i] if i >= 0 else 0.0)
+    out.append(snap.count)
+    return HistogramSnapshot((*bounds, INF), tuple(out), snap.sum)
+
+
+@settings(max_examples=300, database=None, deadline=None)
+@given(
+    source=st.lists(st.sampled_from([0.001, 0.005, 0.1, 0.25, 0.5, 1.0, 5.0, 100.0]), max_size=6),
+    target=st.sampled_from([(0.01, 0.1, 1.0), (0.1 * 1.0000000001, 2.5), (0.0005,), ()]),
+    data=st.data(),
+)
+def test_rebucket_plan_equals_the_rule(
+    source: list[float], target: tuple[float, ...], data: st.DataObject
+) -> None:
+    from kvpressure.agent.histograms import rebucket
+
+    bounds = (*sorted(set(source)), INF)
+    counts = sorted(
+        data.draw(st.lists(st.floats(0, 1e6), min_size=len(bounds), max_size=len(bounds)))
+    )
+    snap = HistogramSnapshot(bounds, tuple(counts), data.draw(st.none() | st.floats(0, 10)))
+    assert _same(rebucket(snap, target), _rebucket_reference(snap, target))
+
+
+@settings(max_examples=300, database=None, deadline=None)
+@given(
+    a=st.lists(st.floats(-5, 5), min_size=3, max_size=3),
+    b=st.lists(st.floats(-5, 5), min_size=3, max_size=3),
+)
+def test_minus_and_plus_bucket_by_bucket(a: list[float], b: list[float]) -> None:
+    three = (0.1, 1.0, INF)
+    x, y = snap(*a, bounds=three), snap(*b, bounds=three)
+    diff = tuple(p - q for p, q in zip(a, b, strict=True))
+    got = x.minus(y)
+    assert got is None if any(d < 0 for d in diff) else got == snap(*diff, bounds=three)
+    assert x.plus(y) == snap(*(p + q for p, q in zip(a, b, strict=True)), bounds=three)
+    assert x.minus(snap(1, 2, bounds=(1.0, INF))) is None  # another layout

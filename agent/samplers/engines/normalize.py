@@ -87,6 +87,7 @@ engine's own gauge for it is absent.
 from __future__ import annotations
 
 import abc
+import bisect
 import functools
 import logging
 import math
@@ -95,7 +96,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Final, Literal, cast
+from typing import Final, Literal, NamedTuple, cast
 
 from kvpressure.agent.catalogue import HistogramName, SampleName, histogram_names
 from kvpressure.agent.histograms import (
@@ -113,7 +114,14 @@ from kvpressure.agent.histograms import (
 )
 from kvpressure.agent.logs import RateLimitedLog
 from kvpressure.agent.samplers.base import LogOnce
-from kvpressure.agent.samplers.engines.exposition import ParsedFamily, ParseResult, wanted_families
+from kvpressure.agent.samplers.engines.exposition import (
+    LabelSet,
+    ParsedFamily,
+    ParseResult,
+    bucket_key,
+    label_pairs,
+    wanted_families,
+)
 from kvpressure.agent.samplers.engines.http import Fetch
 from kvpressure.agent.samples import Batch, Sample, make_labels
 
@@ -295,9 +303,8 @@ class Derived:
     labels: LabelPairs = ()
 
 
-@dataclass(frozen=True, slots=True)
-class Series:
-    """One sample of the scrape, with its family.
+class Series(NamedTuple):
+    """One sample of the scrape, with its family (a named tuple: one is built per sample).
 
     Attributes:
         name: the sample name.
@@ -438,19 +445,40 @@ class MetricIndex:
         self.collapsed = 0
         latest: dict[tuple[str, LabelPairs], Series] = {}
         per_process = False
+        size = 0
         for fam in families:
             self.family_names.append(fam.name)
+            # each sample is filed under its names as it comes (one list per name and
+            # family, looked up once); a repeated or per-process series files all again
+            routes: dict[str, tuple[list[Series], list[Series] | None]] = {}
             for s in fam.samples:
-                labels = s.labels
-                key = (s.name, tuple(sorted(labels.items())))
-                if latest.pop(key, None) is not None:
-                    self.duplicates += 1  # a repeated series: the last copy wins
-                latest[key] = Series(s.name, labels, s.value, fam)
+                name, labels, value, _ = s
+                # the fast parser's labels carry their sorted pairs (one per label text)
+                pairs = labels.pairs if type(labels) is LabelSet else tuple(sorted(labels.items()))
+                key = (name, pairs)
+                series = latest[key] = Series(name, labels, value, fam)
+                if len(latest) == size:
+                    # a repeated series: the last copy wins, in the last copy's place
+                    self.duplicates += 1
+                    del latest[key]
+                    latest[key] = series
+                else:
+                    size += 1
+                route = routes.get(name)
+                if route is None:
+                    route = routes[name] = self._route(name, fam)
+                route[0].append(series)
+                if route[1] is not None:
+                    route[1].append(series)
                 if not per_process:
                     for k in _PER_PROCESS_ORDERED:  # a key lookup per label: no generator
                         if k in labels:
                             per_process = True
-        if not per_process:  # the common case: nothing to collapse
+        if not per_process and not self.duplicates:  # the common case: filed already
+            return
+        self._by_sample.clear()
+        self._by_family.clear()
+        if not per_process:
             for series in latest.values():
                 self._add(series)
             return
@@ -467,14 +495,20 @@ class MetricIndex:
             self._add(one)
 
     def _add(self, series: Series) -> None:
-        fam = series.family
-        name = series.name
-        self._by_sample.setdefault(name, []).append(series)
+        by_sample, by_family = self._route(series.name, series.family)
+        by_sample.append(series)
+        if by_family is not None:
+            by_family.append(series)
+
+    def _route(self, name: str, fam: ParsedFamily) -> tuple[list[Series], list[Series] | None]:
+        """The lists a sample ``name`` of ``fam`` is filed in: by name, and by family."""
+        by_family = None
         if fam.type in ("counter", "gauge", "untyped", "unknown") and name.endswith("_total"):
             # a counter's samples are found under the name without ``_total`` too,
             # whether the family was declared with it (text format) or without
             # (OpenMetrics, or a text body that split it into an unknown family)
-            self._by_family.setdefault(name[: -len("_total")], []).append(series)
+            by_family = self._by_family.setdefault(name[: -len("_total")], [])
+        return self._by_sample.setdefault(name, []), by_family
 
     def exact(self, name: str) -> list[Series]:
         """Samples named ``name``, else samples of the family ``name``; exact spelling only."""
@@ -875,6 +909,10 @@ class Normalizer:
         self._refused: dict[str, set[str]] = {}
         self._now = 0.0
         self._label_sets: dict[tuple[str | None, LabelPairs], tuple[tuple[str, str], ...]] = {}
+        self._bucket_sets: dict[
+            tuple[str | None, LabelPairs, tuple[float, ...]],
+            tuple[tuple[tuple[tuple[str, str], ...], LabelPairs], ...],
+        ] = {}
 
     @property
     def capped_labels(self) -> tuple[str, ...]:
@@ -1050,7 +1088,7 @@ class Normalizer:
             extra = _extra_labels(rule, s.labels)
             if extra is None:
                 continue
-            order = tuple(sorted(s.labels.items()))
+            order = label_pairs(s.labels)
             if kind == "counter":
                 key = (rule.canonical + "|" + used, order)
                 upd = self.tracker.update(key, value, force_reset)
@@ -1147,20 +1185,26 @@ class Normalizer:
         now: float,
     ) -> bool:
         """Window one histogram rule's series and emit its quantiles; True on a reset."""
-        raw: dict[LabelPairs, list[tuple[float, float]]] = {}
+        # per series: its bounds and counts in body order (the labels' bucket key is
+        # worked out once per label text by the parser's LabelSet)
+        raw: dict[LabelPairs, tuple[list[float], list[float]]] = {}
         scale = rule.scale
+        isfinite = math.isfinite
         for s in buckets:
-            labels = dict(s.labels)
-            le = _parse_le(labels.pop("le", None))
-            if le is None or not math.isfinite(s.value):
+            key, le = bucket_key(s.labels)
+            count = s.value
+            if le is None or not isfinite(count):
                 continue
-            key = tuple(sorted(labels.items()))
-            raw.setdefault(key, []).append((le * scale if math.isfinite(le) else le, s.value))
-        sum_of = {tuple(sorted(s.labels.items())): s.value for s in sums}
+            columns = raw.get(key)
+            if columns is None:
+                columns = raw[key] = ([], [])
+            columns[0].append(le * scale if scale != 1.0 and isfinite(le) else le)
+            columns[1].append(count)
+        sum_of = {label_pairs(s.labels): s.value for s in sums}
         reset_seen = False
         group_deltas: dict[tuple[str | None, LabelPairs], list[HistogramSnapshot | None]] = {}
         group_totals: dict[tuple[str | None, LabelPairs], list[HistogramSnapshot | None]] = {}
-        for key, pairs in raw.items():
+        for key, (bounds, counts) in raw.items():
             labels = dict(key)
             extra = _extra_labels(rule, labels)
             if extra is None:
@@ -1171,8 +1215,8 @@ class Normalizer:
             total = sum_of.get(key)
             if total is not None and not (math.isfinite(total) and total >= 0):
                 total = None  # a latency sum cannot be negative or infinite: absent, not used
-            snap = HistogramSnapshot.from_buckets(
-                pairs, None if total is None else total * rule.scale
+            snap = HistogramSnapshot.from_columns(
+                bounds, counts, None if total is None else total * rule.scale
             )
             if snap is None:
                 continue
@@ -1219,15 +1263,24 @@ class Normalizer:
         if not self._admit_extra(extra):
             return
         bucket, count, sum_ = histogram_names(name)
-        base = self._labels(model, extra)
         emitted_labels = out.emitted_labels
-        for bound, cum in zip(hist.bounds, hist.cumulative, strict=True):
-            if not math.isfinite(cum):
+        samples = out.samples
+        key = (bucket, model)
+        isfinite = math.isfinite
+        emitted = False
+        for (labels, extra_le), cum in zip(
+            self._bucket_labels(model, extra, hist.bounds), hist.cumulative, strict=True
+        ):
+            if not isfinite(cum):
                 continue
-            le = _le_label(bound)  # one label set per bucket: ``le`` added to the base
-            out.samples.append(Sample(bucket, float(cum), tuple(sorted((*base, ("le", le))))))
-            out.emitted.add((bucket, model))
-            emitted_labels.setdefault((*extra, ("le", le)), set()).add((bucket, model))
+            samples.append(Sample(bucket, float(cum), labels))
+            seen = emitted_labels.get(extra_le)
+            if seen is None:
+                seen = emitted_labels[extra_le] = set()
+            seen.add(key)
+            emitted = True
+        if emitted:
+            out.emitted.add(key)
         self._emit(out, count, model, hist.count, extra)
         if hist.sum is not None and math.isfinite(hist.sum) and hist.sum >= 0:
             self._emit(out, sum_, model, hist.sum, extra)
@@ -1267,7 +1320,10 @@ class Normalizer:
             return
         values: dict[tuple[str, str | None], float] = {}
         plain = out.emitted_labels.get((), set())
+        read = {n for r in self.mapping.ratios for n in (r.numerator, r.denominator)}
         for smp in out.samples:
+            if smp.name not in read:
+                continue  # only the ratios' own counters are read below
             labels = dict(smp.labels)
             if labels.keys() <= _BASE_LABELS and (smp.name, labels.get("model")) in plain:
                 values[(smp.name, labels.get("model"))] = smp.value
@@ -1399,6 +1455,27 @@ class Normalizer:
             self._label_sets[key] = labels
         return labels
 
+    def _bucket_labels(
+        self, model: str | None, extra: LabelPairs, bounds: tuple[float, ...]
+    ) -> tuple[tuple[tuple[tuple[str, str], ...], LabelPairs], ...]:
+        """Per bound: a bucket's output label set (the base set plus ``le``), ``extra`` + ``le``.
+
+        Built once per model, extra labels and bucket layout.
+        """
+        key = (model, extra, bounds)
+        got = self._bucket_sets.get(key)
+        if got is None:
+            if len(self._bucket_sets) >= _LABEL_SETS_KEPT:
+                self._bucket_sets.clear()  # bounded: a churning label rebuilds, never grows
+            base = self._labels(model, extra)
+            sets = []
+            for le in map(_le_label, bounds):
+                pair = ("le", le)
+                at = bisect.bisect_right(base, pair)  # where sorted() puts it: base is sorted
+                sets.append(((*base[:at], pair, *base[at:]), (*extra, pair)))
+            got = self._bucket_sets[key] = tuple(sets)
+        return got
+
     def _admit_extra(self, extra: LabelPairs) -> bool:
         """False (and the value counted as refused) when a capped label's value is refused."""
         for name, label_value in extra:
@@ -1465,16 +1542,6 @@ def parse_source(source: str) -> tuple[str, LabelPairs]:
             return name, ()
         pairs.append((key.strip(), value.strip().strip('"')))
     return name, tuple(pairs)
-
-
-def _parse_le(value: str | None) -> float | None:
-    if value is None:
-        return None
-    try:
-        le = float(value)
-    except ValueError:
-        return None
-    return None if math.isnan(le) else le
 
 
 def _pct(q: float) -> str:
