@@ -197,7 +197,7 @@ def test_tree_cpu_counts_descendants_and_never_goes_down(tmp_path: Path) -> None
     assert r.read("e", (10,)) == pytest.approx(5.9)
 
 
-def test_a_reused_pid_is_a_new_process_and_new_roots_a_new_counter(tmp_path: Path) -> None:
+def test_a_reused_pid_is_a_new_process_and_a_restart_adds_to_the_counter(tmp_path: Path) -> None:
     p = FakeProc(tmp_path)
     p.set(10, 1, 100)
     p.set(11, 10, 300)
@@ -210,8 +210,11 @@ def test_a_reused_pid_is_a_new_process_and_new_roots_a_new_counter(tmp_path: Pat
     p.kill(10)
     p.kill(11)
     assert r.read("e", (10,)) is None  # the engine is gone: absent
-    p.set(30, 1, 40, start=900)  # restarted under another PID
-    assert r.read("e", (30,)) == pytest.approx(0.4)
+    p.set(30, 1, 40, start=900)  # restarted under another PID, with a child at once
+    p.set(31, 30, 10, start=901)
+    p.t = 21.0
+    assert r.read("e", (30,)) == pytest.approx(4.7)  # never down: no false reset
+    assert r.read("other", (30,)) == pytest.approx(0.5)  # each key its own counter
 
 
 def test_the_tree_is_bounded(tmp_path: Path) -> None:

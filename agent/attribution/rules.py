@@ -653,7 +653,6 @@ def _psi_cpu_contention(sig: Signals, sc: Scope, p: Params) -> Measurement | Non
         PSI,
         {
             **labels,
-            "stall_s_per_s": f"{rate:.2f}",
             "others_cpu_share": f"{others:.2f}",
             "busy_cores": f"{busy:.2f}",
             "engine_cores": f"{engine:.2f}",

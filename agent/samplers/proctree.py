@@ -10,18 +10,20 @@ Sources, under an injected procfs root (no psutil: its functions do not take a r
 * ``<procfs>/<pid>/stat``: ``ppid`` (field 4), ``utime`` + ``stime`` (fields 14, 15, clock
   ticks, every thread of the process) and ``starttime`` (field 22, which tells a reused PID
   from the process it knew);
-* every ``<procfs>/<pid>/stat`` once per :data:`TREE_REFRESH_S` (and when the roots change),
-  to find the roots' descendants by their ``ppid`` (vLLM's API server listens and its
+* every ``<procfs>/<pid>/stat`` once per :data:`TREE_REFRESH_S` (shared by every tree), to
+  find the roots' descendants by their ``ppid`` (vLLM's API server listens and its
   ``EngineCore`` child computes; a multi-process server has several).
 
-The tree's CPU time is kept as a counter that never goes down while the roots live: each
-cycle adds every known member's CPU time since the last cycle, and the whole CPU time of a
-member seen for the first time (it started since the last tree refresh, or this is the first
-reading). A member that exits keeps what it had been counted; the CPU it used between its
-last reading and its exit is lost, and so is the whole CPU of a child that lived less than
-:data:`TREE_REFRESH_S` between two refreshes (it reaches its parent's ``cutime``, not read:
-it would count a known child twice). New roots (an engine restarted) start a new counter
-(a counter reset to whoever reads it).
+The tree's CPU time is kept as a counter per engine that never goes down: each cycle adds
+every known member's CPU time since the last cycle, and the whole CPU time of a member seen
+for the first time (it started since the last tree refresh, or this is the first reading;
+a member is a ``(pid, starttime)``, so a reused PID is a new member). A member that exits
+keeps what it had been counted; the CPU it used between its last reading and its exit is
+lost, and so is the whole CPU of a child that lived less than :data:`TREE_REFRESH_S` between
+two refreshes (it reaches its parent's ``cutime``, not read: it would count a known child
+twice). New roots (an engine restarted, a worker that shared the socket exited) rescan the
+tree at once and add to the same counter: a counter that dropped would read, to a rate, as
+a reset whose increase is the whole new value.
 """
 
 from __future__ import annotations
@@ -109,6 +111,7 @@ class ProcessTreeCpu:
         self.hz: int = clk_tck or os.sysconf("SC_CLK_TCK") or 100
         """Clock ticks per second (``USER_HZ``: also the unit of ``/proc/stat``)."""
         self._trees: dict[str, _Tree] = {}
+        self._map: tuple[float, dict[int, list[int]]] | None = None
 
     def _stat(self, pid: int | str) -> ProcStat | None:
         """Read ``<procfs>/<pid>/stat``; ``None`` when gone, unreadable or unparsable.
@@ -121,8 +124,16 @@ class ProcessTreeCpu:
         except OSError:
             return None
 
-    def _descendants(self, roots: Iterable[int]) -> list[int]:
-        """The roots and their descendants, breadth first, at most :data:`MAX_TREE`."""
+    def _children(self, fresh: bool) -> dict[int, list[int]]:
+        """PID to its children's PIDs, from every ``<procfs>/<pid>/stat``.
+
+        One scan serves every tree refreshed within :data:`TREE_REFRESH_S` of it (engines'
+        trees are refreshed together, so one scan per refresh period, not one per engine);
+        ``fresh`` scans anyway (new roots: an engine just found or restarted).
+        """
+        now = self._clock()
+        if not fresh and self._map is not None and now - self._map[0] < TREE_REFRESH_S:
+            return self._map[1]
         children: dict[int, list[int]] = {}
         try:
             names = os.listdir(self._proc)
@@ -134,6 +145,12 @@ class ProcessTreeCpu:
             st = self._stat(name)  # None: gone since the listing
             if st is not None:
                 children.setdefault(st.ppid, []).append(int(name))
+        self._map = (now, children)
+        return children
+
+    def _descendants(self, roots: Iterable[int], fresh: bool) -> list[int]:
+        """The roots and their descendants, breadth first, at most :data:`MAX_TREE`."""
+        children = self._children(fresh)
         out = list(dict.fromkeys(roots))
         seen = set(out)
         i = 0
@@ -153,24 +170,25 @@ class ProcessTreeCpu:
             pids: the roots (the PIDs listening on the engine's port).
 
         Returns:
-            Seconds, a counter that does not go down while the same roots live; ``None``
-            when no root can be read (gone, no permission, another PID namespace). Never
-            raises.
+            Seconds, a counter that never goes down for ``key`` (new roots, an engine that
+            restarted, add their processes' CPU time to it); ``None`` when no root can be
+            read (gone, no permission, another PID namespace). Never raises.
         """
         found = {p: st for p in dict.fromkeys(pids) if (st := self._stat(p)) is not None}
         if not found:
-            self._trees.pop(key, None)
             return None
         roots = frozenset((p, st.start) for p, st in found.items())
         tree = self._trees.get(key)
-        if tree is None or tree.roots != roots:
-            if tree is None and len(self._trees) >= MAX_TREES:
+        if tree is None:
+            if len(self._trees) >= MAX_TREES:
                 return None
             tree = self._trees[key] = _Tree(roots)
         now = self._clock()
-        if now - tree.scanned >= TREE_REFRESH_S:
+        new_roots = tree.roots != roots or not tree.members
+        if new_roots or now - tree.scanned >= TREE_REFRESH_S:
+            tree.roots = roots
             tree.scanned = now
-            pids_now = self._descendants(sorted(found))
+            pids_now = self._descendants(sorted(found), fresh=new_roots)
         else:
             pids_now = [*found, *(p for p in tree.members if p not in found)]
         members: dict[int, tuple[int, int]] = {}
