@@ -99,9 +99,6 @@ CPU_MODES = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "stea
 """``/proc/stat`` ``cpu`` line columns exported, in the kernel's order (``guest`` and
 ``guest_nice`` are already in ``user`` and ``nice``)."""
 
-CPU_IDLE_MODES = frozenset({"idle", "iowait"})
-"""Modes in which a CPU did no work; the others are its busy time."""
-
 EngineProcesses = Callable[[str, bool], tuple[int, ...]]
 """``(engine, gone) -> PIDs`` listening on the engine's port
 (:meth:`agent.kube.EnginePods.pids`)."""
