@@ -88,9 +88,9 @@ transport_gap              network  0.8    [0.25, 1.0]   TTFT not spent in the e
                                                          a stalled engine is also slow to start
                                                          prefill (CPU-starved HTTP thread, weights
                                                          and vocabulary paged in before prefill)
-psi_cpu_some               compute  1.0    [0.25, 0.75]  CPU PSI some stall rate (s/s) x the
-                                                         share of the host's busy CPU that is
-                                                         not the engine's own (host
+psi_cpu_some               compute  1.0    [0.25, 0.75]  CPU PSI some stall rate (s/s), bounded
+                                                         by the share of the host's busy CPU
+                                                         that is not the engine's own (host
                                                          ``kvpressure_host_cpu_seconds_total``
                                                          busy modes minus
                                                          ``kvpressure_engine_process_cpu_``
@@ -130,7 +130,8 @@ task waited for a CPU. A CPU engine with more busy threads than cores (vLLM's wo
 cores) keeps it near 1 by itself, busy or not slowed by anyone: the cost of its own work,
 which the detector's expected cost already holds. Only the share of the busy CPU that other
 processes took (``others_cpu_share`` in the evidence labels, with ``busy_cores`` and
-``engine_cores``) is contention, so ``psi_cpu_some`` scores the stall rate times that share.
+``engine_cores``) can be contention, so ``psi_cpu_some`` reads the smaller of the stall rate
+and that share: time the engine's processes waited while others held a CPU is at most both.
 The engine's CPU time comes from its cgroup's ``cpu.stat`` when ``engines[].cgroup`` is set,
 else from the processes listening on its loopback port and their descendants; without it
 (a remote engine, another PID namespace) the stall rate is read whole, as before.
@@ -637,8 +638,12 @@ def _psi_cpu_contention(sig: Signals, sc: Scope, p: Params) -> Measurement | Non
     A CPU engine's own threads outnumbering the cores stall one another (vLLM's worker
     keeps host CPU PSI at 0.99 on 2 cores by itself): that is the engine's work, not
     contention, and is already in the engine's cost of a request. Other processes taking
-    the CPUs are. So the stall rate is scaled by :func:`others_cpu_share`; the plain stall
-    rate is read when the engine's CPU time is unknown (no ``others_cpu_share`` label then).
+    the CPUs are: the stall they cause is at most the stall rate and at most the share of
+    the busy CPU they took (:func:`others_cpu_share`), so the value is the smaller of the
+    two. (Their product would count a stall twice over: an engine held to 1.2 of 2 busy
+    cores by others, PSI 0.7 and others' share 0.4, would score 0.28 -> 0.06, not compute.)
+    The plain stall rate is read when the engine's CPU time is unknown (no
+    ``others_cpu_share`` label then).
     """
     got = psi_rate(sig, sc, "cpu", "some")
     if got is None:
@@ -649,7 +654,7 @@ def _psi_cpu_contention(sig: Signals, sc: Scope, p: Params) -> Measurement | Non
         return Measurement(rate, PSI, labels)
     others, busy, engine = share
     return Measurement(
-        rate * others,
+        min(rate, others),
         PSI,
         {
             **labels,
@@ -934,7 +939,7 @@ RULES: tuple[RuleSpec, ...] = (
     RuleSpec("transport_gap", "network", 0.8, 0.25, 1.0, "seconds",
              "TTFT not spent queued or in prefill", _transport_gap),
     RuleSpec("psi_cpu_some", "compute", 1.0, 0.25, 0.75, "s/s",
-             "CPU PSI some stall rate x share of busy CPU not the engine's own",
+             "CPU PSI some stall rate, at most the share of busy CPU not the engine's own",
              _psi_cpu_contention),
     RuleSpec("gpu_utilization", "compute", 0.5, 0.95, 1.0, "ratio",
              "mean utilisation of the engine's GPUs", _gpu_utilization),
