@@ -99,10 +99,11 @@ def test_reduced_vllm_memory_attribution(tmp_path: Path) -> None:
     # vLLM CPU engine saturates both cores and host-wide CPU PSI reads ~0.99; while
     # psi_cpu_some read that whole it tied or beat the memory evidence of requests whose
     # scope held one or two preemptions: over seven runs 84-100 % (21/25, 21/24, 26/26,
-    # 27/27, 28/28, 29/29, 26/26). It now counts only the share of busy CPU that is not
-    # vLLM's own (issue 13): compute scored 0 in every slow request of the next four runs
-    # (27/27, 27/27, 30/30, 26/26 memory). CI still gates at CI_ACCURACY until more CI runs
-    # confirm; the 90 % target is measured by benchmarks/attribution/vllm_memory.py.
+    # 27/27, 28/28, 29/29, 26/26). It now counts stalls only up to the share of busy CPU
+    # that is not vLLM's own (issue 13): compute scored at most 0.05 in every slow request
+    # of the next eight runs (26/26, 29/29, 26/26, 30/30 memory with the final rule). CI
+    # still gates at CI_ACCURACY until more CI runs confirm; the 90 % target is measured by
+    # benchmarks/attribution/vllm_memory.py.
     assert memory["accuracy"] >= CI_ACCURACY, memory
     assert doc["problems"] == [], doc["problems"]
     assert rc == 0
