@@ -296,6 +296,29 @@ _ALL: tuple[Metric, ...] = (
         "host",
     ),
     _m(
+        "kvpressure_host_cpu_seconds_total",
+        "counter",
+        "seconds",
+        "CPU time of all CPUs by mode (user, nice, system, idle, iowait, irq, softirq, "
+        "steal), from the cpu line of /proc/stat. The host's busy CPU is every mode but "
+        "idle and iowait.",
+        ("mode",),
+        "system.cpu.time",
+        "host",
+    ),
+    _m(
+        "kvpressure_engine_process_cpu_seconds_total",
+        "counter",
+        "seconds",
+        "CPU time (user + system) of an engine's own processes: usage_usec of its cgroup's "
+        "cpu.stat when engines[].cgroup/unit is set, else the processes listening on a "
+        "loopback engine's port and their descendants (/proc/PID/stat). Absent for an engine "
+        "whose processes the agent cannot see.",
+        ("engine", "instance"),
+        "",
+        "host",
+    ),
+    _m(
         "kvpressure_disk_read_bytes_total",
         "counter",
         "bytes",
@@ -1430,7 +1453,9 @@ POD_LABELS = ("pod_uid", "namespace", "pod", "container")
 (:class:`agent.kube.EnginePods`); absent otherwise."""
 _ALL = tuple(
     replace(m, labels=(*m.labels, *POD_LABELS))
-    if m.name.startswith("kvpressure_engine_") and {"engine", "instance"} <= set(m.labels)
+    if m.area == "engine"
+    and m.name.startswith("kvpressure_engine_")
+    and {"engine", "instance"} <= set(m.labels)
     else m
     for m in _ALL
 )
@@ -1545,6 +1570,8 @@ PSI_AVG10_RATIO: Final = "kvpressure_psi_avg10_ratio"
 CGROUP_MEMORY_USED_BYTES: Final = "kvpressure_cgroup_memory_used_bytes"
 CGROUP_MEMORY_LIMIT_BYTES: Final = "kvpressure_cgroup_memory_limit_bytes"
 CGROUP_MEMORY_EVENTS_TOTAL: Final = "kvpressure_cgroup_memory_events_total"
+HOST_CPU_SECONDS_TOTAL: Final = "kvpressure_host_cpu_seconds_total"
+ENGINE_PROCESS_CPU_SECONDS_TOTAL: Final = "kvpressure_engine_process_cpu_seconds_total"
 DISK_READ_BYTES_TOTAL: Final = "kvpressure_disk_read_bytes_total"
 DISK_WRITTEN_BYTES_TOTAL: Final = "kvpressure_disk_written_bytes_total"
 DISK_READS_COMPLETED_TOTAL: Final = "kvpressure_disk_reads_completed_total"
@@ -1696,6 +1723,8 @@ SampleName = Literal[
     "kvpressure_cgroup_memory_used_bytes",
     "kvpressure_cgroup_memory_limit_bytes",
     "kvpressure_cgroup_memory_events_total",
+    "kvpressure_host_cpu_seconds_total",
+    "kvpressure_engine_process_cpu_seconds_total",
     "kvpressure_disk_read_bytes_total",
     "kvpressure_disk_written_bytes_total",
     "kvpressure_disk_reads_completed_total",

@@ -148,6 +148,7 @@ class Daemon:
             engines=engines,
             engine_pids=self._engine_pids,
             engine_pods=self.engine_pods.labels,
+            engine_processes=self.engine_pods.pids,
             span_sink=self._export.export,
         )
         return pipeline.plan(ctx)

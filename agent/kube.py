@@ -156,8 +156,12 @@ class EnginePods:
     keeps its series), and replaced when another process (a new pod) does. An engine not on
     loopback, whose PID is not in a pod (a host process) or cannot be read, has none.
 
-    The scan runs in the thread of the engine sampler that found it due, outside the lock:
-    the other engines' samplers go on with the labels already known, never waiting for it.
+    The same lookup tells which PIDs listen on each engine's port (:meth:`pids`): the host
+    sampler reads their process tree's CPU time (``kvpressure_engine_process_cpu_seconds_total``)
+    without a ``psutil`` scan of its own.
+
+    The scan runs in the thread of the sampler that found it due, outside the lock: the
+    others go on with the labels and PIDs already known, never waiting for it.
 
     Args:
         engine_pids: ``() -> {pid: engine name}``; may raise (the last answer is kept).
@@ -193,6 +197,7 @@ class EnginePods:
         self._settled: set[str] = set()  # considered by an engine_pids() answer
         self._pods: dict[str, tuple[int, PodRef | None]] = {}
         self._labels: dict[str, dict[str, str]] = {}
+        self._pids: dict[str, tuple[int, ...]] = {}
         self._names_tried: dict[str, float] = {}
         self.errors = 0
         """``engine_pids()`` or ``names()`` calls that raised (cumulative)."""
@@ -207,13 +212,48 @@ class EnginePods:
             ``{"pod_uid": ..., "namespace": ..., "pod": ..., "container": ...}`` with only
             the known ones, ``{}`` when the engine's pod is not known. Never raises.
         """
+        now = self._refresh(engine)
+        with self._lock:
+            out = self._labels.get(engine)
+            if out is None:
+                return {}
+            if self._names is not None and len(out) == 1:
+                tried = self._names_tried.get(engine)
+                if tried is None or now - tried >= self._retry_s:
+                    self._names_tried[engine] = now
+                    out = self._labels[engine] = self._with_names(out["pod_uid"])
+            return dict(out)
+
+    def pids(self, engine: str, gone: bool = False) -> tuple[int, ...]:
+        """The PIDs listening on ``engine``'s port, as the last ``engine_pids()`` answer had them.
+
+        The same bounded lookup as :meth:`labels` (one ``engine_pids()`` call per
+        ``refresh_s``, shared with it): the host sampler reads these processes' CPU time.
+
+        Args:
+            engine: the engine's configured name.
+            gone: the caller found the PIDs it was given exited (the engine restarted): ask
+                ``engine_pids()`` again early, not sooner than ``retry_s`` after the last call.
+
+        Returns:
+            The PIDs, ascending (several when worker processes share the listening socket);
+            ``()`` when none is known (not on loopback, not listening, no permission). Never
+            raises.
+        """
+        self._refresh(engine, early=gone)
+        with self._lock:
+            return self._pids.get(engine, ())
+
+    def _refresh(self, engine: str, early: bool = False) -> float:
+        """Call ``engine_pids()`` when due (see the class doc); returns the clock's now."""
         with self._lock:
             now = self._clock()
             due = self._refreshed is None or now - self._refreshed >= self._refresh_s
             if engine not in self._settled and len(self._settled) < self.MAX_ENGINES:
                 self._pending.add(engine)  # no engine_pids() answer has considered it yet
-                if self._refreshed is not None and now - self._refreshed >= self._retry_s:
-                    due = True
+                early = True
+            if early and self._refreshed is not None and now - self._refreshed >= self._retry_s:
+                due = True
             scan = due and not self._scanning
             if scan:
                 # one caller scans, outside the lock; the others go on with what is known
@@ -232,19 +272,15 @@ class EnginePods:
                     self.errors += 1
                 else:
                     self._apply(pids)
-        with self._lock:
-            out = self._labels.get(engine)
-            if out is None:
-                return {}
-            if self._names is not None and len(out) == 1:
-                tried = self._names_tried.get(engine)
-                if tried is None or now - tried >= self._retry_s:
-                    self._names_tried[engine] = now
-                    out = self._labels[engine] = self._with_names(out["pod_uid"])
-            return dict(out)
+        return now
 
     def _apply(self, pids: dict[int, str]) -> None:
-        """Take one ``engine_pids()`` answer: each listed engine's PID and pod."""
+        """Take one ``engine_pids()`` answer: each listed engine's PIDs and pod."""
+        grouped: dict[str, list[int]] = {}
+        for pid, engine in pids.items():
+            if engine in grouped or len(grouped) < self.MAX_ENGINES:
+                grouped.setdefault(engine, []).append(pid)
+        self._pids = {engine: tuple(sorted(ps)) for engine, ps in grouped.items()}
         for pid, engine in pids.items():
             known = self._pods.get(engine)
             if known is not None and known[0] == pid:

@@ -19,10 +19,12 @@ Rules of the house, checked by ``tests/test_pipeline.py``:
 * a source reads the outside world only, never another source or the state. What several
   stages need is a lookup in the :class:`Context`: ``engine_pids`` (the PIDs listening on
   the engines' ports: the daemon's ``psutil`` scan, read by the GPU source to join processes
-  to engines and by ``engine_pods``) and ``engine_pods`` (an engine's pod labels: its
+  to engines and by ``engine_pods``), ``engine_pods`` (an engine's pod labels: its
   listening PID's ``/proc/PID/cgroup``, plus names that only the GPU source's process rows
   give, joined on the derived side by :class:`agent.kube.PodNameJoin` from each published
-  ``gpu`` report, never read from the state or the GPU sampler by the engine source);
+  ``gpu`` report, never read from the state or the GPU sampler by the engine source) and
+  ``engine_processes`` (the PIDs listening on an engine's port from the same bounded lookup,
+  :meth:`agent.kube.EnginePods.pids`: the host source reads their CPU time);
 * a derived stage reads the state and timeline; one with ``after`` runs right after each
   report of those sources (the same tick), the others on their own interval;
 * exporters are not stages: they render the state and report their own health with
@@ -141,6 +143,9 @@ class Context:
             its names come from :class:`agent.kube.PodNameJoin`, a derived join of the
             published ``gpu`` reports (see the module doc), so the engine source reading it
             reads neither the state nor another source.
+        engine_processes: ``(engine label, gone) -> PIDs`` listening on the engine's port
+            (:meth:`agent.kube.EnginePods.pids`, one bounded ``engine_pids`` lookup shared
+            with ``engine_pods``; ``gone=True`` asks again early); reads the OS, not a stage.
         span_sink: the OTLP exporter's span sink, or ``None`` when export is off.
     """
 
@@ -151,6 +156,7 @@ class Context:
     engines: tuple[EngineConfig, ...] = ()
     engine_pids: Callable[[], dict[int, str]] | None = None
     engine_pods: Callable[[str], Mapping[str, str]] | None = None
+    engine_processes: Callable[[str, bool], tuple[int, ...]] | None = None
     span_sink: SpanSink | None = None
 
     def interval_s(self, name: str) -> float:

@@ -86,6 +86,20 @@ PSI = "kvpressure_psi_stall_seconds_total"
 CG_USED = "kvpressure_cgroup_memory_used_bytes"
 CG_LIMIT = "kvpressure_cgroup_memory_limit_bytes"
 CG_EVENTS = "kvpressure_cgroup_memory_events_total"
+HOST_CPU = "kvpressure_host_cpu_seconds_total"
+ENGINE_CPU = "kvpressure_engine_process_cpu_seconds_total"
+
+
+def cpu(s: Synth, stall: float, busy: float, engine: float | None, cores: int = 2) -> Synth:
+    """Host CPU PSI some at ``stall`` s/s, ``busy`` of ``cores`` CPUs busy (3/4 user, 1/4
+    system), ``engine`` of them the engine's own processes (``None``: not known)."""
+    s.counter(PSI, stall, resource="cpu", kind="some", scope="system")
+    s.counter(HOST_CPU, 0.75 * busy, mode="user").counter(HOST_CPU, 0.25 * busy, mode="system")
+    s.counter(HOST_CPU, cores - busy, mode="idle").counter(HOST_CPU, 0.0, mode="iowait")
+    if engine is not None:
+        s.counter(ENGINE_CPU, engine, engine=ENG, instance="h:1")
+    return s
+
 
 # (case id, rule, cause, build timeline, record, expected value, expected score)
 CASES: list[tuple[str, str, str, Callable[[], Synth], RequestRecord | None, float, float]] = [
@@ -217,6 +231,12 @@ CASES: list[tuple[str, str, str, Callable[[], Synth], RequestRecord | None, floa
     ("psi_cpu_some", "psi_cpu_some", "compute",
      lambda: Synth().counter(PSI, 0.5, resource="cpu", kind="some", scope="system"),
      None, 0.5, 0.5),
+    # 2 cores busy, 0.8 of them the engine's: 0.9 s/s of stalls, at most the 0.6 not its own
+    ("psi_cpu_some_others_share", "psi_cpu_some", "compute",
+     lambda: cpu(Synth(), 0.9, 2.0, 0.8), None, 0.6, 0.7),
+    # others took 1.5 of 2 cores but the engine's processes waited 0.3 s/s: the stall bounds
+    ("psi_cpu_some_stall_bounds", "psi_cpu_some", "compute",
+     lambda: cpu(Synth(), 0.3, 2.0, 0.5), None, 0.3, 0.1),
     ("gpu_utilization", "gpu_utilization", "compute",
      lambda: Synth().gauge("kvpressure_gpu_utilization_ratio", 0.975, gpu="0"), None, 0.975, 0.25),
     ("gpu_throttle_2_of_7", "gpu_throttle", "compute",
@@ -276,6 +296,7 @@ def test_every_rule_has_a_case():
          "psi_memory_some"),
         (lambda: Synth().counter(PSI, 0.2, resource="cpu", kind="some", scope="system"),
          "psi_cpu_some"),
+        (lambda: cpu(Synth(), 0.99, 2.0, 1.9), "psi_cpu_some"),  # the engine's own stalls
         (lambda: Synth().counter(PSI, 0.3, resource="io", kind="some", scope="system")
          .counter(PSI, 0.3, resource="memory", kind="some", scope="system")
          .counter("kvpressure_host_allocstalls_total", 5), "psi_io_some"),
@@ -290,6 +311,7 @@ def test_every_rule_has_a_case():
          "gpu_fault"),  # old XIDs, no new ones
     ],
     ids=["slots_free", "no_queue", "kv_at_threshold", "psi_mem_at_threshold", "cpu_below",
+         "cpu_engines_own",
          "io_explained_by_thrashing", "cgroup_headroom_20pct", "few_retransmits", "old_restart",
          "old_xids"],
 )  # fmt: skip

@@ -93,6 +93,19 @@ Udp: InDatagrams NoPorts
 Udp: 10 0
 """
 
+# /proc/stat of a 2-CPU host: the aggregate line, per-CPU lines and the rest (not read).
+PROC_STAT = """\
+cpu  26025 10 4705 20170 438 0 78 339 0 0
+cpu0 10454 0 1692 13495 41 0 8 173 0 0
+cpu1 15571 10 3013 6675 397 0 69 165 0 0
+intr 1234567 0 9 0 0
+ctxt 987654
+btime 1700000000
+processes 4321
+procs_running 3
+procs_blocked 0
+"""
+
 NODE0 = """\
 Node 0 MemTotal:       8000000 kB
 Node 0 MemFree:        3000000 kB
@@ -158,6 +171,7 @@ def tree(tmp_path: Path) -> Tree:
     t.cgroup_file("system.slice/kvpressure.service/memory.max", "max\n")
     t.cgroup_file("system.slice/kvpressure.service/memory.current", "100000000\n")
     t.proc_file("vmstat", VMSTAT)
+    t.proc_file("stat", PROC_STAT)
     t.proc_file("pressure/cpu", fixture("23-psi-unavailable.cpu-full-bogus.input.txt"))
     t.proc_file("pressure/memory", fixture("23-psi-unavailable.memory.input.txt"))
     t.proc_file(
@@ -177,7 +191,7 @@ def tree(tmp_path: Path) -> Tree:
     return t
 
 
-SOURCES = ("meminfo", "cgroup", "vmstat", "psi", "diskstats", "netdev", "snmp", "numa")
+SOURCES = ("meminfo", "cgroup", "vmstat", "psi", "cpu", "diskstats", "netdev", "snmp", "numa")
 
 
 def test_healthy_host_uses_catalogue_names_and_reports_every_source(tree: Tree) -> None:

@@ -88,8 +88,18 @@ transport_gap              network  0.8    [0.25, 1.0]   TTFT not spent in the e
                                                          a stalled engine is also slow to start
                                                          prefill (CPU-starved HTTP thread, weights
                                                          and vocabulary paged in before prefill)
-psi_cpu_some               compute  1.0    [0.25, 0.75]  CPU PSI some stall rate (s/s); CPU
-                                                         engines
+psi_cpu_some               compute  1.0    [0.25, 0.75]  CPU PSI some stall rate (s/s), bounded
+                                                         by the share of the host's busy CPU
+                                                         that is not the engine's own (host
+                                                         ``kvpressure_host_cpu_seconds_total``
+                                                         busy modes minus
+                                                         ``kvpressure_engine_process_cpu_``
+                                                         ``seconds_total``, rates over the
+                                                         scope): stalls among the engine's own
+                                                         threads are its work, not contention.
+                                                         The plain rate when the engine's CPU
+                                                         time is unknown (remote engine, no
+                                                         permission); CPU engines
 gpu_utilization            compute  0.5    [0.95, 1.0]   mean GPU utilisation (engine GPUs)
 gpu_throttle               compute  0.8    [0.0, 0.5]    share of samples with a slowdown clock
                                                          event active (power cap, thermal, HW)
@@ -114,6 +124,17 @@ are *storage* evidence, and io PSI is read whole. With a shortage, io PSI is rea
 memory PSI (the thrashing's own I/O is the memory's). A limit the agent cannot see (a
 cgroup v1 limit, an engine without a configured ``cgroup``) leaves thrashing without swap
 looking like storage; configure the engine's cgroup so its ``memory.max`` is read.
+
+**Contention versus the engine's own load.** CPU PSI ``some`` is the share of time some
+task waited for a CPU. A CPU engine with more busy threads than cores (vLLM's worker on 2
+cores) keeps it near 1 by itself, busy or not slowed by anyone: the cost of its own work,
+which the detector's expected cost already holds. Only the share of the busy CPU that other
+processes took (``others_cpu_share`` in the evidence labels, with ``busy_cores`` and
+``engine_cores``) can be contention, so ``psi_cpu_some`` reads the smaller of the stall rate
+and that share: time the engine's processes waited while others held a CPU is at most both.
+The engine's CPU time comes from its cgroup's ``cpu.stat`` when ``engines[].cgroup`` is set,
+else from the processes listening on its loopback port and their descendants; without it
+(a remote engine, another PID namespace) the stall rate is read whole, as before.
 
 **Scope of a request.** A slow request is read over the time span of its slow phase(s)
 (the detector's verdict: the wait and prefill up to the first token, or the decode after
@@ -575,6 +596,75 @@ def _psi(resource: str, kind: str) -> Measure:
     return measure
 
 
+HOST_CPU: SampleName = "kvpressure_host_cpu_seconds_total"
+ENGINE_CPU: SampleName = "kvpressure_engine_process_cpu_seconds_total"
+CPU_IDLE_MODES = frozenset({"idle", "iowait"})
+"""``kvpressure_host_cpu_seconds_total`` modes in which a CPU did no work."""
+
+
+def others_cpu_share(sig: Signals, sc: Scope) -> tuple[float, float, float] | None:
+    """Share of the host's busy CPU over the scope that was not the engine's own.
+
+    Busy CPU is the rate of ``kvpressure_host_cpu_seconds_total`` in every mode but idle
+    and iowait (CPUs busy, in cores); the engine's own is the rate of
+    ``kvpressure_engine_process_cpu_seconds_total`` (its cgroup or its process tree). Both
+    come from the host sampler's cycles, so their rates cover the same sample intervals.
+
+    Returns:
+        ``(share, busy cores, engine cores)``, the share clamped to [0, 1] (the engine's
+        per-process time and the host's per-CPU ticks are accounted apart); ``None`` when
+        either is unknown (a remote engine, no permission, an agent without these series)
+        or the host was not busy at all.
+    """
+    engine = sig.counter_rate(ENGINE_CPU, sc.a, sc.b, engine_match(sc))
+    if engine is None:
+        return None
+    busy: float | None = None
+    for s in sig.series(HOST_CPU):
+        if s.labels.get("mode") in CPU_IDLE_MODES:
+            continue
+        r = s.rate(sc.a, sc.b)
+        if r is not None:
+            busy = r if busy is None else busy + r
+    if busy is None or busy <= 0.0:
+        return None
+    return min(1.0, max(0.0, (busy - engine) / busy)), busy, engine
+
+
+@reads(PSI, PSI_AVG10, HOST_CPU, ENGINE_CPU)
+def _psi_cpu_contention(sig: Signals, sc: Scope, p: Params) -> Measurement | None:
+    """CPU PSI some, counted as contention only in the share of busy CPU not the engine's.
+
+    A CPU engine's own threads outnumbering the cores stall one another (vLLM's worker
+    keeps host CPU PSI at 0.99 on 2 cores by itself): that is the engine's work, not
+    contention, and is already in the engine's cost of a request. Other processes taking
+    the CPUs are: the stall they cause is at most the stall rate and at most the share of
+    the busy CPU they took (:func:`others_cpu_share`), so the value is the smaller of the
+    two. (Their product would count a stall twice over: an engine held to 1.2 of 2 busy
+    cores by others, PSI 0.7 and others' share 0.4, would score 0.28 -> 0.06, not compute.)
+    The plain stall rate is read when the engine's CPU time is unknown (no
+    ``others_cpu_share`` label then).
+    """
+    got = psi_rate(sig, sc, "cpu", "some")
+    if got is None:
+        return None
+    rate, labels = got
+    share = others_cpu_share(sig, sc)
+    if share is None:
+        return Measurement(rate, PSI, labels)
+    others, busy, engine = share
+    return Measurement(
+        min(rate, others),
+        PSI,
+        {
+            **labels,
+            "others_cpu_share": f"{others:.2f}",
+            "busy_cores": f"{busy:.2f}",
+            "engine_cores": f"{engine:.2f}",
+        },
+    )
+
+
 def _host_rate(name: SampleName) -> Measure:
     @reads(name)
     def measure(sig: Signals, sc: Scope, p: Params) -> Measurement | None:
@@ -849,7 +939,8 @@ RULES: tuple[RuleSpec, ...] = (
     RuleSpec("transport_gap", "network", 0.8, 0.25, 1.0, "seconds",
              "TTFT not spent queued or in prefill", _transport_gap),
     RuleSpec("psi_cpu_some", "compute", 1.0, 0.25, 0.75, "s/s",
-             "CPU PSI some stall rate", _psi("cpu", "some")),
+             "CPU PSI some stall rate, at most the share of busy CPU not the engine's own",
+             _psi_cpu_contention),
     RuleSpec("gpu_utilization", "compute", 0.5, 0.95, 1.0, "ratio",
              "mean utilisation of the engine's GPUs", _gpu_utilization),
     RuleSpec("gpu_throttle", "compute", 0.8, 0.0, 0.5, "ratio",

@@ -12,10 +12,15 @@ Sources (the ``source`` label of ``kvpressure_source_up``) and the files they re
                    ``memory.limit_in_bytes``/``memory.usage_in_bytes``/``memory.stat`` (v1)
                    of the agent's cgroup and its ancestors under ``<sysfs>/fs/cgroup``
 ``vmstat``         ``<procfs>/vmstat``
+``cpu``            ``<procfs>/stat`` (its ``cpu`` line: every CPU's time by mode)
 ``psi``            ``<procfs>/pressure/{cpu,memory,io}``
 ``psi_cgroup``     ``<engine cgroup dir>/{cpu,memory,io}.pressure`` (only when engines are set)
 ``cgroup_memory``  ``<engine cgroup dir>/memory.{current,max,high,events}`` (cgroup v2; only
                    when engines are set): how close each engine is to its own memory limit
+``engine_cpu``     each engine's CPU time (only when engines are set): ``usage_usec`` of
+                   ``<engine cgroup dir>/cpu.stat`` when a cgroup is configured and has it,
+                   else ``<procfs>/<pid>/stat`` of the PIDs listening on a local engine's
+                   port and their descendants (:mod:`agent.samplers.proctree`)
 ``diskstats``      ``<procfs>/diskstats``, filtered with ``<sysfs>/block``
 ``netdev``         ``<procfs>/net/dev``
 ``snmp``           ``<procfs>/net/snmp``
@@ -48,6 +53,7 @@ from typing import Final, TypeVar
 
 from kvpressure.agent.pipeline import Context, Plan, Stage, register
 from kvpressure.agent.samplers.base import LogOnce, Sampler
+from kvpressure.agent.samplers.proctree import ProcessTreeCpu
 from kvpressure.agent.samples import Batch
 
 log = logging.getLogger(__name__)
@@ -88,6 +94,14 @@ _HIER = frozenset({"hierarchical_memory_limit"})
 CGROUP_MEMORY_EVENTS = ("high", "max", "oom", "oom_kill")
 """``memory.events`` keys exported (cgroup v2): reclaim above ``memory.high``, usage hitting
 ``memory.max``, OOM situations and OOM kills."""
+
+CPU_MODES = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+"""``/proc/stat`` ``cpu`` line columns exported, in the kernel's order (``guest`` and
+``guest_nice`` are already in ``user`` and ``nice``)."""
+
+EngineProcesses = Callable[[str, bool], tuple[int, ...]]
+"""``(engine, gone) -> PIDs`` listening on the engine's port
+(:meth:`agent.kube.EnginePods.pids`)."""
 
 _UNIT_SUFFIXES = (".service", ".scope", ".slice")
 _NON_PHYSICAL_DISK = re.compile(r"(loop|ram|zram|dm-|md|sr|nbd)\d+")
@@ -467,6 +481,42 @@ def parse_snmp(text: str) -> dict[str, dict[str, int]]:
     return out
 
 
+def parse_proc_stat_cpu(text: str) -> dict[str, int]:
+    """Parse the aggregate ``cpu`` line of ``/proc/stat`` into :data:`CPU_MODES` ticks.
+
+    Args:
+        text: the file (only its line starting with ``cpu`` and a space is read).
+
+    Returns:
+        Mode to clock ticks (``USER_HZ``) summed over every CPU, for the columns the line
+        has (kernels before 2.6.11 lack ``steal``); ``{}`` when there is no such line or
+        a column is not a non-negative integer.
+    """
+    for line in text.splitlines():
+        if not line.startswith("cpu "):
+            continue
+        out: dict[str, int] = {}
+        for mode, token in zip(CPU_MODES, line.split()[1:], strict=False):
+            n = _int(token)
+            if n is None or n < 0:
+                return {}
+            out[mode] = n
+        return out
+    return {}
+
+
+def parse_cpu_stat_usage(text: str) -> int | None:
+    """``usage_usec`` of a cgroup v2 ``cpu.stat`` (microseconds); ``None`` when absent."""
+    got = parse_kv(text, ("usage_usec",)).get("usage_usec")
+    return got if got is not None and got >= 0 else None
+
+
+def _on_loopback(instance: str) -> bool:
+    """True when an ``instance`` label (``host:port``) names a loopback address."""
+    host = instance.rsplit(":", 1)[0].strip("[]")
+    return host in ("127.0.0.1", "localhost", "::1")
+
+
 def parse_proc_cgroup(text: str) -> list[tuple[tuple[str, ...], str]]:
     """Parse ``/proc/<pid>/cgroup`` (``hierarchy-id:controllers:path`` per line).
 
@@ -598,6 +648,11 @@ class HostSampler(Sampler):
             its ancestors (the agent runs inside the engine's container); ``"none"`` uses
             ``/proc/meminfo`` alone (the agent runs in its own unit or pod, whose small
             limit says nothing about the engine's memory).
+        engines: every engine's name to its ``instance`` label, for
+            ``kvpressure_engine_process_cpu_seconds_total`` (source ``engine_cpu``).
+        engine_processes: the PIDs listening on an engine's port (see
+            :data:`EngineProcesses`), for engines whose CPU time no cgroup gives; ``None``
+            reads only cgroups.
 
     Raises:
         ValueError: ``memory_cgroup`` is neither ``"self"`` nor ``"none"``.
@@ -613,6 +668,8 @@ class HostSampler(Sampler):
         interval_s: float = 1.0,
         timeout_s: float | None = None,
         memory_cgroup: str = "self",
+        engines: dict[str, str] | None = None,
+        engine_processes: EngineProcesses | None = None,
     ) -> None:
         super().__init__(interval_s, timeout_s)
         if memory_cgroup not in ("self", "none"):
@@ -621,7 +678,10 @@ class HostSampler(Sampler):
         self.procfs_root = procfs_root
         self.sysfs_root = sysfs_root
         self.engine_cgroups = dict(engine_cgroups or {})
+        self.engines = dict(engines or {})
+        self.engine_processes = engine_processes
         self._now: Callable[[], float] = time.monotonic
+        self._trees = ProcessTreeCpu(procfs_root, clock=lambda: self._now())  # noqa: PLW0108 - tests swap _now
         self._log_once = LogOnce(log)
         self._logged: dict[str, set[str]] = {}
 
@@ -629,6 +689,7 @@ class HostSampler(Sampler):
         self._p_meminfo = os.path.join(proc, "meminfo")
         self._p_self_cgroup = os.path.join(proc, "self", "cgroup")
         self._p_vmstat = os.path.join(proc, "vmstat")
+        self._p_stat = os.path.join(proc, "stat")
         self._p_pressure = os.path.join(proc, "pressure")
         self._p_diskstats = os.path.join(proc, "diskstats")
         self._p_netdev = os.path.join(proc, "net", "dev")
@@ -658,7 +719,8 @@ class HostSampler(Sampler):
         ``invalid_memtotal``, ``cgroup_not_found``) or ``unsupported`` (e.g.
         ``kernel_without_psi``, ``psi_disabled_boot_param``, ``empty``, ``no_numa_sysfs``),
         logged once per reason until the source recovers, and the other sources still run.
-        ``psi_cgroup`` is recorded only when ``engine_cgroups`` is set.
+        ``psi_cgroup`` is recorded only when ``engine_cgroups`` is set, ``engine_cpu``
+        only when ``engines`` is.
 
         Args:
             batch: the batch to fill.
@@ -672,9 +734,12 @@ class HostSampler(Sampler):
         self._add_effective_memory(batch, info, cgroup)
         self._run("vmstat", batch, self._collect_vmstat)
         self._run("psi", batch, self._collect_psi)
+        self._run("cpu", batch, self._collect_cpu)
         if self.engine_cgroups:
             self._run("psi_cgroup", batch, self._collect_psi_cgroup)
             self._run("cgroup_memory", batch, self._collect_engine_memory)
+        if self.engines:
+            self._run("engine_cpu", batch, self._collect_engine_cpu)
         self._run("diskstats", batch, self._collect_diskstats)
         self._run("netdev", batch, self._collect_netdev)
         self._run("snmp", batch, self._collect_snmp)
@@ -1096,6 +1161,78 @@ class HostSampler(Sampler):
                     )
         self._finish(batch, "cgroup_memory", status)
 
+    # --- CPU time ------------------------------------------------------------------------
+
+    def _collect_cpu(self, batch: Batch) -> None:
+        """``/proc/stat``'s ``cpu`` line → ``kvpressure_host_cpu_seconds_total{mode}``."""
+        modes = parse_proc_stat_cpu(_read_text(self._p_stat))
+        if not modes:
+            self._error(batch, "cpu", "parse_error", f"{self._p_stat}: no valid 'cpu' line")
+            return
+        hz = self._trees.hz
+        for mode, ticks in modes.items():
+            batch.add("kvpressure_host_cpu_seconds_total", ticks / hz, mode=mode)
+        self._ok(batch, "cpu")
+
+    def _engine_cgroup_cpu(self, engine: str, status: _Status) -> float | None:
+        """Seconds of CPU charged to the engine's configured cgroup (``cpu.stat``), or None."""
+        spec = self.engine_cgroups.get(engine)
+        d = self._engine_dir(engine, spec) if spec else None
+        if d is None:
+            return None
+        path = os.path.join(d, "cpu.stat")
+        raw = status.read(path, missing=("no_cpu_stat", f"{path} does not exist"))
+        if raw is None:
+            return None
+        usage = parse_cpu_stat_usage(raw)
+        if usage is None:
+            status.set("error", "parse_error", f"{path}: no usage_usec")
+        return None if usage is None else usage / 1e6
+
+    def _collect_engine_cpu(self, batch: Batch) -> None:
+        """Each engine's own CPU time → ``kvpressure_engine_process_cpu_seconds_total``.
+
+        From the engine's cgroup ``cpu.stat`` when one is configured and has it, else from
+        the process tree of the PIDs listening on its port. An engine with neither (not on
+        loopback, another PID namespace, no permission) has no sample: absent, never 0.
+        The status is ``unsupported`` (``no_local_engine``) when no engine had one.
+        """
+        status = _Status()
+        seen = 0
+        for engine, instance in self.engines.items():
+            cg = _Status()
+            seconds = self._engine_cgroup_cpu(engine, cg)
+            if seconds is None and self.engine_processes is not None:
+                pids = self.engine_processes(engine, False)
+                if not pids and _on_loopback(instance):
+                    pids = self.engine_processes(engine, True)  # not listening yet: ask early
+                seconds = self._trees.read(engine, pids) if pids else None
+                if seconds is None and pids:
+                    # the PIDs exited (a restart): ask again early, read the new ones if any
+                    again = self.engine_processes(engine, True)
+                    if again and again != pids:
+                        seconds = self._trees.read(engine, again)
+            if seconds is None:
+                if cg.state != "ok":  # its cgroup failed and no process stood in
+                    status.set(cg.state, cg.reason, cg.detail)
+                continue
+            seen += 1
+            batch.add(
+                "kvpressure_engine_process_cpu_seconds_total",
+                seconds,
+                engine=engine,
+                instance=instance,
+            )
+        self._trees.forget(self.engines)
+        if seen == 0 and status.state == "ok":
+            status.set(
+                "unsupported",
+                "no_local_engine",
+                "no engine has a cgroup with cpu.stat or a process this agent can read "
+                "listening on loopback; CPU PSI is read whole as contention",
+            )
+        self._finish(batch, "engine_cpu", status)
+
     # --- disks, network ----------------------------------------------------------------
 
     def _physical_disks(self) -> frozenset[str] | None:
@@ -1273,8 +1410,9 @@ def _plan(ctx: Context) -> list[Plan]:
         if e.cgroup or e.unit:
             cgroups[e.label] = e.cgroup or e.unit or ""
     memory_cgroup = cfg.samplers.host.memory_cgroup
+    engines = {e.label: e.instance for e in ctx.engines}
     spec = ("host", cfg.procfs_root, cfg.sysfs_root, tuple(sorted(cgroups.items())), interval,
-            memory_cgroup)  # fmt: skip
+            memory_cgroup, tuple(sorted(engines.items())))  # fmt: skip
     return [
         Plan(
             "host",
@@ -1285,6 +1423,8 @@ def _plan(ctx: Context) -> list[Plan]:
                 engine_cgroups=cgroups,
                 interval_s=interval,
                 memory_cgroup=memory_cgroup,
+                engines=engines,
+                engine_processes=ctx.engine_processes,
             ),
         )
     ]

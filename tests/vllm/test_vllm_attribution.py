@@ -31,10 +31,11 @@ pytestmark = pytest.mark.e2e
 
 SCRIPT = REPO_ROOT / "benchmarks" / "attribution" / "vllm_memory.py"
 REQUESTS = 30
-"""As many as the full benchmark: in about half the runs two requests of the first wave go to
-compute (their scope holds one preemption and KV at 96 %, while vLLM's worker keeps CPU PSI
-saturated on 2 cores), a fixed count that failed the 90 % target with 12 requests (9 of 11)
-and with 20 (17 of 19); with 30 it is 27 of 29 at worst seen."""
+"""As many as the full benchmark: before psi_cpu_some discounted the engine's own CPU use, in
+about half the runs two requests of the first wave went to compute (their scope held one
+preemption and KV at 96 %, while vLLM's worker kept CPU PSI saturated on 2 cores), a fixed
+count that failed the 90 % target with 12 requests (9 of 11) and with 20 (17 of 19); with 30
+it was 27 of 29 at worst seen."""
 CALM_REQUESTS = 30
 """Calm requests are quick (about 2 s for 30); with fewer than 20 the calm target (at most
 5 % slow) would allow no slow request at all."""
@@ -95,11 +96,14 @@ def test_reduced_vllm_memory_attribution(tmp_path: Path) -> None:
     assert calm["by_cause"].get("memory", 0) == 0, calm
     assert memory["slow"] > 0, f"the KV-starved load made no request slow: {memory}"
     # The benchmark's target is bench.TARGET_ACCURACY (90 %). On a 2-core CI machine the
-    # vLLM CPU engine saturates both cores, host-wide CPU PSI reads ~0.99 and ties or beats
-    # the memory evidence of requests whose scope held one or two preemptions: over seven
-    # runs 84-100 % (21/25, 21/24, 26/26, 27/27, 28/28, 29/29, 26/26). CI gates at
-    # CI_ACCURACY so the memory cause must still dominate clearly; the 90 % target is
-    # measured by benchmarks/attribution/vllm_memory.py and tracked in issue 13.
+    # vLLM CPU engine saturates both cores and host-wide CPU PSI reads ~0.99; while
+    # psi_cpu_some read that whole it tied or beat the memory evidence of requests whose
+    # scope held one or two preemptions: over seven runs 84-100 % (21/25, 21/24, 26/26,
+    # 27/27, 28/28, 29/29, 26/26). It now counts stalls only up to the share of busy CPU
+    # that is not vLLM's own (issue 13): compute scored at most 0.05 in every slow request
+    # of the next eight runs (26/26, 29/29, 26/26, 30/30 memory with the final rule). CI
+    # still gates at CI_ACCURACY until more CI runs confirm; the 90 % target is measured by
+    # benchmarks/attribution/vllm_memory.py.
     assert memory["accuracy"] >= CI_ACCURACY, memory
     assert doc["problems"] == [], doc["problems"]
     assert rc == 0
