@@ -69,13 +69,9 @@ def test_the_noise_of_short_decodes_does_not_hide_a_long_decode_slowed_several_t
     # in waves): slow on its time per output token, though under the 16-token decodes' spread
     v = d.judge(span(80, 0.01, 1799 * 0.011, out=1800))
     assert v is not None and v.slow and v.phase == "tpot"
-    assert v.threshold_s < 0.0065
+    assert v.threshold_s < 0.006
     # a 16-token decode at that rate is within the short decodes' usual spread
     v = d.judge(span(90, 0.01, 15 * 0.011 - 0.03, out=16))
-    assert v is not None and not v.slow
-    # a decode far longer than any learnt may cost more per token for its context alone:
-    # 1.8x is tolerated until decodes that long are learnt
-    v = d.judge(span(100, 0.01, 1799 * 0.003 * 1.8, out=1800))
     assert v is not None and not v.slow
 
 

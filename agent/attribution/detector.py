@@ -45,17 +45,13 @@ rates, independent per-token noise, against ``n / m`` for one hiccup); ratios of
 at least ``m`` tokens enter as they are (the spread of long decodes may be systematic:
 context length, batch mix). The noise of short decodes then does not hide a long decode
 slowed several times (preempted, waiting for KV blocks), and long decodes keep the spread
-they showed. A decode more than twice as long as all learnt ones but two may cost more
-per token for its longer context alone (each step reads the KV of every token before it),
-which no learnt point shows: its threshold is at least twice the expected TPOT
-(:data:`UNSEEN_LENGTH_RATIO` x ``factor``) until decodes that long are learnt.
-
-The SLOs (TTFT above ``slo_ttft_s``, TPOT above ``slo_tpot_s``, end-to-end above
-``slo_e2e_s`` for requests without a TTFT) judge a phase while its fit is warming up (fewer
-than ``min_requests`` points); after that a request that misses an SLO only because it is
-large is not slow (a long prompt on a slow engine misses the TTFT SLO at the engine's usual
-per-token rate: the remedy is capacity, not an incident), and the miss is reported in
-:attr:`Verdict.slo_missed` (``kvpressure explain`` counts such requests).
+they showed. The SLOs (TTFT above ``slo_ttft_s``,
+TPOT above ``slo_tpot_s``, end-to-end above ``slo_e2e_s`` for requests without a TTFT)
+judge a phase while its fit is warming up (fewer than ``min_requests`` points); after that
+a request that misses an SLO only because it is large is not slow (a long prompt on a slow
+engine misses the TTFT SLO at the engine's usual per-token rate: the remedy is capacity,
+not an incident), and the miss is reported in :attr:`Verdict.slo_missed`
+(``kvpressure explain`` counts such requests).
 
 Defaults: ``q = 0.99``, ``factor = 1.5``, ``N = 500`` points per engine and phase (the line
 is fitted through the latest 96, the ratio quantile is over all), ``min_requests = 30``,
@@ -143,16 +139,6 @@ TOKEN_SIZED = frozenset({"prefill", "ttft", "e2e"})
 
 TPOT_FLOOR_S = 0.02
 """Absolute floor of the longest inter-token gap's threshold above the expected value."""
-
-UNSEEN_LENGTH = 2.0
-UNSEEN_LENGTH_RATIO = 4.0 / 3.0
-"""A decode more than ``UNSEEN_LENGTH`` times longer than all but :data:`TAIL_POINTS` - 1 of
-the learnt ones (one or two long decodes are no spread) is judged with a
-ratio quantile of at least ``UNSEEN_LENGTH_RATIO`` (a TPOT threshold of at least twice the
-expected with the default factor 1.5): each decode step reads the KV of every token before
-it, so a much longer decode may cost more per token for its context alone, and how much
-was never seen (the noise of the short decodes, narrowed for the long one, says nothing of
-it). Decodes that long, once learnt, set their own spread."""
 
 RECENT_REQUESTS = 32
 """Requests whose co-scheduled work is what an engine carries "now" (:class:`CoScheduledLoad`):
@@ -308,8 +294,8 @@ class CostModel:
         self.proportional = proportional
         # (size, value, tokens averaged in the value: 1 unless the value is a mean)
         self.points: deque[tuple[float, float, float]] = deque(maxlen=size)
-        # intercept, slope, sorted ratios, ratios with their tokens, fewest and most tokens
-        self._fit: tuple[float, float, list[float], list[tuple[float, float]], float, float] | None
+        # intercept, slope, sorted ratios, ratios with their tokens, fewest tokens
+        self._fit: tuple[float, float, list[float], list[tuple[float, float]], float] | None
         self._fit = None
         self._since_fit = 0
 
@@ -325,9 +311,7 @@ class CostModel:
         self.points.append((x, y, max(1.0, tokens)))
         self._since_fit += 1
 
-    def _model(
-        self,
-    ) -> tuple[float, float, list[float], list[tuple[float, float]], float, float]:
+    def _model(self) -> tuple[float, float, list[float], list[tuple[float, float]], float]:
         due = self._since_fit >= REFIT_EVERY or (
             self._since_fit > 0 and len(self.points) <= FIT_POINTS
         )
@@ -336,8 +320,7 @@ class CostModel:
             a, b = theil_sen([(x, y) for x, y, _ in pts[-FIT_POINTS:]], self.proportional)
             weighted = [(y / max(a + b * x, 1e-6), n) for x, y, n in pts]
             ratios = sorted(r for r, _ in weighted)
-            tokens = [n for _, n in weighted]
-            self._fit = (a, b, ratios, weighted, min(tokens), max(tokens))
+            self._fit = (a, b, ratios, weighted, min(n for _, n in weighted))
             self._since_fit = 0
         return self._fit
 
@@ -366,27 +349,19 @@ class CostModel:
         slower is assumed); points over at least ``tokens`` tokens enter as they are (a
         longer mean's deviation is not amplified: it may be systematic). So the noise of
         16-token decodes does not hide a 1,800-token decode at 4 times their usual time
-        per token. A mean over more tokens than :data:`UNSEEN_LENGTH` times all but
-        :data:`TAIL_POINTS` - 1 of the learnt ones is judged with a ratio quantile of at
-        least :data:`UNSEEN_LENGTH_RATIO`.
+        per token.
 
         Raises:
             ValueError: no point learnt yet.
         """
-        _, _, ratios, weighted, fewest, most = self._model()
+        _, _, ratios, weighted, fewest = self._model()
         exp = self.expected(x)
         if tokens > fewest:
             ratios = sorted(
                 r if n >= tokens else 1.0 + (r - 1.0) * math.sqrt(n / tokens) for r, n in weighted
             )
         qq = min(q, 1.0 - TAIL_POINTS / len(ratios))
-        tail = quantile(ratios, max(qq, 0.5))
-        if tokens > UNSEEN_LENGTH * most or (
-            tokens > fewest
-            and sum(1 for _, n in weighted if UNSEEN_LENGTH * n >= tokens) < TAIL_POINTS
-        ):
-            tail = max(tail, UNSEEN_LENGTH_RATIO)
-        return max(factor * tail * exp, exp + floor_s), exp
+        return max(factor * quantile(ratios, max(qq, 0.5)) * exp, exp + floor_s), exp
 
 
 def coscheduled_work(
