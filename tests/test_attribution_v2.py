@@ -88,6 +88,24 @@ def test_long_decodes_keep_their_own_spread():
     assert v is not None and v.slow and v.phase == "tpot"
 
 
+def test_a_request_slow_in_one_phase_teaches_no_phase():
+    # queued 10 s behind a full KV cache, then preempted in its decode (1.4x, under the
+    # decode's threshold on its own): the incident's decode must not become the normal
+    d = SlowDetector()
+    for i in range(60):
+        d.judge(span(i, 0.06, 63 * 0.02))
+    learnt = d.baseline_size(ENG, "tpot")
+    for i in range(40):
+        r = RequestRecord(
+            engine=ENG, start=T + 100 + i, end=T + 110.06 + i + 63 * 0.028, source="otlp",
+            ttft_s=10.06, e2e_s=10.06 + 63 * 0.028, queue_s=10.0, prefill_s=0.06,
+            decode_s=63 * 0.028, input_tokens=100, output_tokens=64,
+        )  # fmt: skip
+        v = d.judge(r)
+        assert v is not None and v.slow and "tpot" not in v.phases
+    assert d.baseline_size(ENG, "tpot") == learnt
+
+
 def test_a_decode_stall_is_judged_on_the_longest_gap_of_a_stream():
     d = SlowDetector()
     gaps = (0.02,) * 15

@@ -98,10 +98,12 @@ neighbours; all of it is excused for the next 30 requests (no normal known yet),
 until 30 requests have left the latest 32 the older half of the known requests is the
 usual, the newer half the recent.
 
-Only requests that completed (``outcome == "ok"``) feed a phase's fit, and only when that
-phase was not slow against the fit and did not miss its SLO, so a long incident does not
-become the new normal, and an incident the fit misses cannot teach it values past the
-SLO. The fit learns the request's own cost: a value above the fitted cost is learnt less
+Only requests that completed (``outcome == "ok"``) with no slow phase feed the fits, and
+a phase only when it did not miss its SLO, so a long incident does not become the new
+normal (a request queued for 10 s behind a full KV cache was in the incident for its whole
+life: its decode, preempted too, must not teach the decode's normal even when that phase
+alone stayed under its threshold), and an incident the fit misses cannot teach it values
+past the SLO. The fit learns the request's own cost: a value above the fitted cost is learnt less
 the excused co-scheduled work, never below the fitted cost (the work is an upper bound of
 the delay it caused).
 """
@@ -571,7 +573,7 @@ class SlowDetector:
         batch: float | None = None,
         neighbours: Sequence[RequestRecord] | None = None,
     ) -> Verdict | None:
-        """Judge every phase of ``record`` and learn from the phases that were not slow.
+        """Judge every phase of ``record``; learn from it when no phase was slow.
 
         Args:
             record: the finished request.
@@ -691,7 +693,7 @@ class SlowDetector:
         slow_phases = tuple(
             sorted((p for p in judged if p.value_s > p.threshold_s), key=lambda p: -p.excess)
         )
-        if r.outcome == "ok":
+        if r.outcome == "ok" and not slow_phases:
             for phase, size, value, tokens in learn:
                 key = (r.engine, phase)
                 m = self._models.get(key)
