@@ -1403,7 +1403,8 @@ _ALL: tuple[Metric, ...] = (
         "gauge",
         "1",
         "Request records waiting to be attributed (held until their end is one sampling "
-        "interval old, or beyond the per-cycle limit).",
+        "interval old, while a request their engine ran beside them has not finished (at "
+        "most 30 s after their end), or beyond the per-cycle limit).",
         (),
         "",
         "attribution",

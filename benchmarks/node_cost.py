@@ -239,7 +239,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, default=30.0)
     ap.add_argument(
-        "--scenarios", default="host,host+poll,node,node-1s,node+16,node-1gpu,node+poll"
+        "--scenarios",
+        default="host,host+poll,node,node-1s,node+16,node-1gpu,node+poll",
+        help="comma-separated, of: host, host+poll (host with /metrics polled at 20 Hz), "
+        "node (8 fake GPUs, 8 vLLM engines, gauges at 0.1 s), node-1s (the same, every "
+        "engine metric at 1 s), node+16 (16 engines), node-1gpu (one GPU), node+poll "
+        "(node with /metrics polled at 20 Hz); default: all",
     )
     args = ap.parse_args()
     exe = shutil.which("prometheus-node-exporter") or shutil.which("node_exporter")

@@ -38,7 +38,7 @@ so a 3,000-token prompt prefilled at the usual per-token rate is not slow, and a
 45x the usual time per token is, whatever its TTFT.
 
 TPOT is a mean over the decode's ``m = output - 1`` tokens, and a mean's spread shrinks
-with what it averages: one 90 ms hiccup triples the TPOT of a 16-token decode and moves an
+with what it averages: one 90 ms hiccup triples the TPOT of a 16-token decode and moves a
 1,800-token one by 2 %. So for TPOT each fitted ratio from a mean over ``n < m`` tokens
 enters the quantile as ``1 + (ratio_i - 1) sqrt(n / m)`` (the slower of the two shrink
 rates, independent per-token noise, against ``n / m`` for one hiccup); ratios of means over
