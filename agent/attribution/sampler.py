@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -85,6 +86,28 @@ def _tail_quantile(labels: Mapping[str, str]) -> bool:
         return q is not None and float(q) >= 0.95
     except ValueError:
         return False
+
+
+def _last_in(
+    sig: Signals, name: SampleName, a: float, b: float, match: Mapping[str, str]
+) -> tuple[float, float] | None:
+    """The latest sample of the matching series of ``name`` in ``[a, b]``, summed.
+
+    Returns:
+        ``(t, sum)``: the latest sample time in ``[a, b]`` over the series and the sum of
+        each series' latest value in ``[a, b]``; ``None`` when no series has a sample
+        there. One binary search per series.
+    """
+    t = -math.inf
+    total = 0.0
+    seen = False
+    for s in sig.series(name, match):
+        i = bisect.bisect_right(s.ts, b) - 1
+        if i >= 0 and s.ts[i] >= a:
+            t = max(t, s.ts[i])
+            total += s.vs[i]
+            seen = True
+    return (t, total) if seen else None
 
 
 class SpanSink(Protocol):
@@ -247,21 +270,27 @@ class AttributionSampler(Sampler):
             min(r.start for r in waiting) - 2 * self.interval_s,
             now,
         )
-        pool = sorted((*self._recent, *self._pending), key=lambda o: o.end)
-        ends = [o.end for o in pool]
+        # per engine, the known records' starts and ends, each sorted: the records in flight
+        # at t are those started by t minus those ended before t (a record that ended
+        # before t started before t too), two binary searches per held candidate
+        starts: dict[str, list[float]] = {}
+        ends: dict[str, list[float]] = {}
+        for o in (*self._recent, *self._pending):
+            starts.setdefault(o.engine, []).append(o.start)
+            ends.setdefault(o.engine, []).append(o.end)
+        for v in (*starts.values(), *ends.values()):
+            v.sort()
         held: set[int] = set()
         for r in waiting:
             m = {"engine": r.engine}
-            stale = sig.gauge_values(STATS_STALE, r.start, r.end, m)
-            if stale and max(stale) >= 1.0:
+            stale = _last_in(sig, STATS_STALE, r.start, r.end, m)
+            if stale is not None and stale[1] >= 1.0:
                 continue
-            by_time = sig.gauge_by_time(RUNNING, r.start, r.end, m)
-            t = max(by_time, default=None)
-            if t is None or t < r.start:
+            at = _last_in(sig, RUNNING, r.start, r.end, m)
+            if at is None:
                 continue  # no engine sample in the record's life
-            running = by_time[t]
-            lo = bisect.bisect_left(ends, t)
-            known = sum(1 for o in pool[lo:] if o.engine == r.engine and o.start <= t)
+            t, running = at
+            known = bisect.bisect_right(starts[r.engine], t) - bisect.bisect_left(ends[r.engine], t)
             if running > known:
                 held.add(id(r))
         return held
