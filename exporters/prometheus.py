@@ -243,10 +243,10 @@ class Encoder:
     """
 
     def __init__(self) -> None:
-        self._prefix: dict[tuple[str, tuple[tuple[str, str], ...]], str] = {}
-        # each series' last line and the value it was written for: a value that did not
-        # change since the last rendering (most of a node's series) is not formatted again
-        self._lines: dict[tuple[str, tuple[tuple[str, str], ...]], tuple[float, str]] = {}
+        # per series: its ``name{labels}`` prefix, and its last line with the value it was
+        # written for (a value that did not change since the last rendering, most of a
+        # node's series, is not formatted again)
+        self._lines: dict[tuple[str, tuple[tuple[str, str], ...]], tuple[str, float, str]] = {}
 
     def encode(
         self,
@@ -277,8 +277,6 @@ class Encoder:
             if series is None:
                 series = grouped[family] = {}
             series.setdefault((s.name, s.labels), s.value)
-        if len(self._prefix) > _PREFIXES_KEPT:
-            self._prefix.clear()
         if len(self._lines) > _PREFIXES_KEPT:
             self._lines.clear()
         lines = self._lines
@@ -299,24 +297,21 @@ class Encoder:
                 mname = family + "_total" if typ == "counter" else family
                 doc = metric.help.replace("\\", r"\\").replace("\n", r"\n")
                 out.append(f"# HELP {mname} {doc}\n# TYPE {mname} {typ}\n")
-            prefixes = self._prefix
             for key, value in series.items():
                 last = lines.get(key)
-                if (
-                    last is not None
-                    and last[0] == value
-                    and (value or math.copysign(1.0, value) == math.copysign(1.0, last[0]))
-                ):
-                    out.append(last[1])  # the same value (a zero of the same sign)
-                    continue
-                prefix = prefixes.get(key)
-                if prefix is None:
+                if last is None:
                     prefix = self._line_prefix(key, family)
                     if prefix is None:
                         return None
-                    prefixes[key] = prefix
+                else:
+                    prefix, was, line = last
+                    if was == value and (
+                        value or math.copysign(1.0, value) == math.copysign(1.0, was)
+                    ):
+                        out.append(line)  # the same value (a zero of the same sign)
+                        continue
                 line = f"{prefix} {_go(value)}\n"
-                lines[key] = (value, line)
+                lines[key] = (prefix, value, line)
                 out.append(line)
         if openmetrics:
             out.append("# EOF\n")
