@@ -115,7 +115,6 @@ from kvpressure.agent.histograms import (
 from kvpressure.agent.logs import RateLimitedLog
 from kvpressure.agent.samplers.base import LogOnce
 from kvpressure.agent.samplers.engines.exposition import (
-    LabelSet,
     ParsedFamily,
     ParseResult,
     bucket_key,
@@ -453,8 +452,8 @@ class MetricIndex:
             routes: dict[str, tuple[list[Series], list[Series] | None]] = {}
             for s in fam.samples:
                 name, labels, value, _ = s
-                # the fast parser's labels carry their sorted pairs (one per label text)
-                pairs = labels.pairs if type(labels) is LabelSet else tuple(sorted(labels.items()))
+                # a LabelSet from the fast parser carries its sorted pairs (one per text)
+                pairs = label_pairs(labels)
                 key = (name, pairs)
                 series = latest[key] = Series(name, labels, value, fam)
                 if len(latest) == size:
