@@ -45,13 +45,14 @@ rates, independent per-token noise, against ``n / m`` for one hiccup); ratios of
 at least ``m`` tokens enter as they are (the spread of long decodes may be systematic:
 context length, batch mix). The noise of short decodes then does not hide a long decode
 slowed several times (preempted, waiting for KV blocks), and long decodes keep the spread
-they showed. The SLOs (TTFT above ``slo_ttft_s``,
-TPOT above ``slo_tpot_s``, end-to-end above ``slo_e2e_s`` for requests without a TTFT)
-judge a phase while its fit is warming up (fewer than ``min_requests`` points); after that
-a request that misses an SLO only because it is large is not slow (a long prompt on a slow
-engine misses the TTFT SLO at the engine's usual per-token rate: the remedy is capacity,
-not an incident), and the miss is reported in :attr:`Verdict.slo_missed`
-(``kvpressure explain`` counts such requests).
+they showed.
+
+The SLOs (TTFT above ``slo_ttft_s``, TPOT above ``slo_tpot_s``, end-to-end above
+``slo_e2e_s`` for requests without a TTFT) judge a phase while its fit is warming up (fewer
+than ``min_requests`` points); after that a request that misses an SLO only because it is
+large is not slow (a long prompt on a slow engine misses the TTFT SLO at the engine's usual
+per-token rate: the remedy is capacity, not an incident), and the miss is reported in
+:attr:`Verdict.slo_missed` (``kvpressure explain`` counts such requests).
 
 Defaults: ``q = 0.99``, ``factor = 1.5``, ``N = 500`` points per engine and phase (the line
 is fitted through the latest 96, the ratio quantile is over all), ``min_requests = 30``,
@@ -98,12 +99,12 @@ neighbours; all of it is excused for the next 30 requests (no normal known yet),
 until 30 requests have left the latest 32 the older half of the known requests is the
 usual, the newer half the recent.
 
-Only requests that completed (``outcome == "ok"``) with no slow phase feed the fits, and
-a phase only when it did not miss its SLO, so a long incident does not become the new
-normal (a request queued for 10 s behind a full KV cache was in the incident for its whole
-life: its decode, preempted too, must not teach the decode's normal even when that phase
-alone stayed under its threshold), and an incident the fit misses cannot teach it values
-past the SLO. The fit learns the request's own cost: a value above the fitted cost is learnt less
+Only requests that completed (``outcome == "ok"``) with no slow phase feed the fits, and a
+phase only when it did not miss its SLO, so a long incident does not become the new normal
+(a request queued for 10 s behind a full KV cache was in the incident for its whole life:
+its decode, preempted too, must not teach the decode's normal even when that phase alone
+stayed under its threshold), and an incident the fit misses cannot teach it values past the
+SLO. The fit learns the request's own cost: a value above the fitted cost is learnt less
 the excused co-scheduled work, never below the fitted cost (the work is an upper bound of
 the delay it caused).
 """
