@@ -13,6 +13,9 @@ from kvpressure.agent.config import Config, EngineConfig
 
 log = logging.getLogger(__name__)
 
+LOOPBACK_HOSTS: frozenset[str] = frozenset({"127.0.0.1", "localhost", "::1"})
+"""Engine hosts whose listening PID :func:`engine_pids` can resolve (loopback only)."""
+
 Probe = Callable[[str], str | None]
 """``probe(url) -> engine type | None`` (:func:`agent.samplers.engines.probe`)."""
 
@@ -72,7 +75,7 @@ def engine_pids(engines: Iterable[EngineConfig]) -> dict[int, str]:
     ports: dict[int, str] = {}
     for e in engines:
         parts = urlsplit(e.url)
-        if parts.hostname in ("127.0.0.1", "localhost", "::1") and parts.port:
+        if parts.hostname in LOOPBACK_HOSTS and parts.port:
             ports[parts.port] = e.label
     if not ports:
         return {}

@@ -51,6 +51,7 @@ from collections.abc import Callable, Container
 from dataclasses import dataclass
 from typing import Final, TypeVar
 
+from kvpressure.agent.discovery import LOOPBACK_HOSTS
 from kvpressure.agent.pipeline import Context, Plan, Stage, register
 from kvpressure.agent.samplers.base import LogOnce, Sampler
 from kvpressure.agent.samplers.proctree import ProcessTreeCpu
@@ -512,9 +513,13 @@ def parse_cpu_stat_usage(text: str) -> int | None:
 
 
 def _on_loopback(instance: str) -> bool:
-    """True when an ``instance`` label (``host:port``) names a loopback address."""
+    """True when ``engine_pids`` can resolve an ``instance`` label's (``host:port``) host.
+
+    The hosts are :data:`agent.discovery.LOOPBACK_HOSTS`, the ones
+    :func:`agent.discovery.engine_pids` resolves.
+    """
     host = instance.rsplit(":", 1)[0].strip("[]")
-    return host in ("127.0.0.1", "localhost", "::1")
+    return host in LOOPBACK_HOSTS
 
 
 def parse_proc_cgroup(text: str) -> list[tuple[tuple[str, ...], str]]:
