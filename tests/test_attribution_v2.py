@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import httpx
 
-from kvpressure.agent.attribution.detector import SlowDetector
+from kvpressure.agent.attribution.detector import SlowDetector, Verdict
 from kvpressure.agent.attribution.engine import Attributor, primary_cause
 from kvpressure.agent.attribution.rules import Params, Scope, evaluate
 from kvpressure.agent.attribution.sampler import AttributionSampler
@@ -104,6 +104,71 @@ def test_a_request_slow_in_one_phase_teaches_no_phase():
         v = d.judge(r)
         assert v is not None and v.slow and "tpot" not in v.phases
     assert d.baseline_size(ENG, "tpot") == learnt
+
+
+def _batch_slope_after_preemption(preempted: bool) -> tuple[SlowDetector, Verdict | None]:
+    """Calm 16-token decodes at batch 2; then, at batch 20 while the engine preempts, five
+    1,200-token decodes at 1.4x (under the threshold on their own); then one at 2.1x."""
+    d = SlowDetector()
+    for i in range(60):
+        v = d.judge(span(i, 0.01, 15 * 0.003 * (1 + 0.02 * (i % 3)), out=16), batch=2)
+        assert v is not None and not v.slow
+    storm = [(T + 99.0, T + 140.0)] if preempted else []
+    for i in range(5):
+        v = d.judge(span(100 + i, 0.01, 1199 * 0.0042, out=1200), batch=20, preempted=storm)
+        assert v is not None and not v.slow
+    # later, still at batch 20: preemptions were counted during its decode (a fresh wave)
+    later = [(T + 149.0, T + 150.0)] if preempted else []
+    return d, d.judge(span(148, 0.01, 1199 * 0.0063, out=1200), batch=20, preempted=later)
+
+
+def test_a_phase_that_ran_while_the_engine_preempted_teaches_nothing():
+    # decodes slowed by waits for KV blocks, each under the threshold, teach the fit a batch
+    # slope that excuses the next preempted decode; with the engine's preemptions known
+    # (kvpressure_engine_preemptions_total rose during their decode) they teach nothing
+    d, v = _batch_slope_after_preemption(preempted=True)
+    assert d.baseline_size(ENG, "tpot") == 60
+    assert v is not None and v.slow and v.phase == "tpot"
+    d, v = _batch_slope_after_preemption(preempted=False)  # what the old fit did
+    assert d.baseline_size(ENG, "tpot") == 66  # the five, and the 2.1x one learnt as normal
+    assert v is not None and not v.slow
+
+
+def test_only_the_phases_that_overlap_a_preemption_are_left_unlearnt():
+    d = SlowDetector()
+    # queue and prefill before the preemption interval, decode across it
+    r = span(0, 0.06, 63 * 0.02)
+    d.judge(r, batch=2, preempted=[(T + 0.5, T + 1.0)])
+    assert d.baseline_size(ENG, "prefill") == 1 and d.baseline_size(ENG, "ttft") == 1
+    assert d.baseline_size(ENG, "tpot") == 0
+    # intervals that end before the request, or start after it: everything is learnt
+    d.judge(span(10, 0.06, 63 * 0.02), batch=2, preempted=[(T + 1.0, T + 9.9), (T + 12, T + 13)])
+    assert d.baseline_size(ENG, "tpot") == 1
+
+
+def test_the_sampler_tells_the_detector_when_the_engine_preempted():
+    # the engine's preemption counter (two instances of one engine) rose between the
+    # samples at T+5 and T+6, and reset on the other instance between T+30 and T+31
+    timeline = Timeline(4096, 1000)
+    for k in range(41):
+        b = Batch()
+        b.add("kvpressure_engine_preemptions_total", 7.0 + (3.0 if k >= 6 else 0.0),
+              engine=ENG, instance="a:1")  # fmt: skip
+        b.add("kvpressure_engine_preemptions_total", 9.0 if k <= 30 else 1.0,
+              engine=ENG, instance="b:1")  # fmt: skip
+        b.add("kvpressure_engine_requests_running", 1, engine=ENG, instance="a:1")
+        timeline.append(T + k, b.samples)
+    stream, detector = RequestStream(), SlowDetector()
+    sampler = AttributionSampler(
+        stream, timeline, AttributionStore(), detector, Attributor(Params()),
+        settle_s=1.0, clock=lambda: T + 45,
+    )  # fmt: skip
+    stream.submit(span(3.0, 0.06, 63 * 0.05))  # decode T+3.06 - T+6.2: over the rise
+    stream.submit(span(10.0, 0.06, 63 * 0.05))  # T+10 - T+13.2: nothing preempted
+    stream.submit(span(28.0, 0.06, 63 * 0.05))  # decode T+28.06 - T+31.2: over the reset
+    sampler.collect(Batch())
+    assert detector.baseline_size(ENG, "ttft") == 3
+    assert detector.baseline_size(ENG, "tpot") == 1
 
 
 def test_a_decode_stall_is_judged_on_the_longest_gap_of_a_stream():

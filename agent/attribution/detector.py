@@ -104,13 +104,20 @@ phase only when it did not miss its SLO, so a long incident does not become the 
 (a request queued for 10 s behind a full KV cache was in the incident for its whole life:
 its decode, preempted too, must not teach the decode's normal even when that phase alone
 stayed under its threshold), and an incident the fit misses cannot teach it values past the
-SLO. The fit learns the request's own cost: a value above the fitted cost is learnt less
+SLO. Nor does a phase that ran while its engine preempted requests (the preemption counter
+rose between two engine samples around its span): the engine says which requests it preempts
+only in aggregate, and a decode slowed 2x by waits for KV blocks that stays under its
+threshold would otherwise teach the fit, at the batch sizes of the shortage, a slope that
+excuses the next preempted decode. An engine that preempts all the time keeps the normal
+it last had without preemptions (or its SLOs, if it never had one). The fit learns the
+request's own cost: a value above the fitted cost is learnt less
 the excused co-scheduled work, never below the fitted cost (the work is an upper bound of
 the delay it caused).
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
@@ -278,6 +285,12 @@ def theil_sen(points: list[tuple[float, float]], proportional: bool = False) -> 
         slope = min(slope, rate)  # a line with a cost >= 0 at size 0 rises no faster
     intercept = max(0.0, _median([y - slope * x for x, y in points]))
     return intercept, slope
+
+
+def _overlaps(intervals: Sequence[tuple[float, float]], a: float, b: float) -> bool:
+    """True when ``[a, b]`` overlaps one of ``intervals`` (sorted, disjoint): one bisection."""
+    i = bisect.bisect_left(intervals, (b,)) - 1
+    return i >= 0 and intervals[i][1] > a
 
 
 class CostModel:
@@ -573,6 +586,7 @@ class SlowDetector:
         record: RequestRecord,
         batch: float | None = None,
         neighbours: Sequence[RequestRecord] | None = None,
+        preempted: Sequence[tuple[float, float]] = (),
     ) -> Verdict | None:
         """Judge every phase of ``record``; learn from it when no phase was slow.
 
@@ -583,6 +597,11 @@ class SlowDetector:
             neighbours: the engine's other requests whose lifetime overlapped ``record``'s
                 (settled or not), whose prefill is the co-scheduled work of its phases;
                 ``None`` when unknown (no co-scheduled work is then excused or tracked).
+            preempted: ``(a, b)`` intervals, Unix seconds, sorted and disjoint, in which
+                the engine preempted requests (``kvpressure_engine_preemptions_total`` rose
+                between two samples at ``a`` and ``b``); a phase whose span overlaps one is
+                judged but not
+                learnt (a memory shortage is not the engine's normal cost).
 
         Returns:
             ``None`` when the record has neither TTFT nor end-to-end latency.
@@ -640,7 +659,9 @@ class SlowDetector:
                 # the allowance is an upper bound of the co-scheduled delay: it explains the
                 # value's excess over the own cost, never more
                 own = value if value <= exp else max(exp, own)
-            if not slow:  # the fit learns the request's own cost, net of the excused work
+            # the fit learns the request's own cost, net of the excused work, and only from
+            # a phase that ran while its engine preempted nothing
+            if not slow and not _overlaps(preempted, a, b):
                 learn.append((phase, size, own, tokens))
 
         def slo(phase: str, value: float, a: float, b: float) -> None:

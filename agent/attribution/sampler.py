@@ -77,6 +77,7 @@ were running beside it and have not finished (:meth:`AttributionSampler._unseen_
 
 RUNNING: SampleName = "kvpressure_engine_requests_running"
 STATS_STALE: SampleName = "kvpressure_engine_stats_stale"
+PREEMPTIONS: SampleName = "kvpressure_engine_preemptions_total"
 
 
 def _tail_quantile(labels: Mapping[str, str]) -> bool:
@@ -197,7 +198,7 @@ class AttributionSampler(Sampler):
         self._pending = keep
         ready.sort(key=lambda r: r.end)
 
-        batches = self._batch_sizes(ready, now)
+        batches, preempted = self._decode_load(ready, now)
         # the ready records are each other's neighbours: known before any is judged
         self._recent.extend(ready)
         while self._recent and self._recent[0].end < now - NEIGHBOUR_HORIZON_S:
@@ -206,7 +207,9 @@ class AttributionSampler(Sampler):
         ends = [o.end for o in pool]
         slow: list[tuple[RequestRecord, Verdict]] = []
         for i, r in enumerate(ready):
-            v = self.detector.judge(r, batches[i], self._neighbours(r, pool, ends))
+            v = self.detector.judge(
+                r, batches[i], self._neighbours(r, pool, ends), preempted.get(r.engine, ())
+            )
             is_slow = v is not None and v.slow
             self.store.add_request(
                 RequestSummary.of(r, is_slow, v is not None and bool(v.slo_missed))
@@ -295,27 +298,59 @@ class AttributionSampler(Sampler):
                 held.add(id(r))
         return held
 
-    def _batch_sizes(self, ready: list[RequestRecord], now: float) -> list[float | None]:
-        """Mean ``requests_running`` of each record's engine over its decode, or ``None``."""
+    def _decode_load(
+        self, ready: list[RequestRecord], now: float
+    ) -> tuple[list[float | None], dict[str, list[tuple[float, float]]]]:
+        """Each record's batch size over its decode, and each engine's preemption intervals.
+
+        Returns:
+            ``(batches, preempted)``: ``batches[i]`` is the mean
+            ``kvpressure_engine_requests_running`` of ``ready[i]``'s engine over its
+            decode (``None`` without a TTFT, with no sample, or while the engine's stats
+            are stale); ``preempted[engine]`` lists the ``(a, b)`` sample intervals, Unix
+            seconds, over which ``kvpressure_engine_preemptions_total`` of the engine rose
+            in the records' lifetimes, merged (sorted, disjoint; absent for an engine that
+            reports no preemptions).
+        """
         out: list[float | None] = [None] * len(ready)
-        spans = [(r.start + r.ttft_s, r.end) if r.ttft_s is not None else None for r in ready]
-        starts = [a for sp in spans if sp is not None for a in (sp[0],)]
-        if not starts:
-            return out
+        preempted: dict[str, list[tuple[float, float]]] = {}
+        if not ready:
+            return out, preempted
         sig = Signals.from_timeline(
-            self.timeline, (RUNNING, STATS_STALE), min(starts) - 2 * self.interval_s, now
+            self.timeline,
+            (RUNNING, STATS_STALE, PREEMPTIONS),
+            min(r.start for r in ready) - 2 * self.interval_s,
+            now,
         )
-        for i, (r, sp) in enumerate(zip(ready, spans, strict=True)):
-            if sp is None:
+        rises: dict[str, list[tuple[float, float]]] = {}
+        for s in sig.series(PREEMPTIONS):
+            engine = s.labels.get("engine")
+            if engine is None:
                 continue
+            got = rises.setdefault(engine, [])
+            for k in range(1, len(s.ts)):
+                if s.vs[k] != s.vs[k - 1]:  # a rise, or a reset (the new value is a rise)
+                    got.append((s.ts[k - 1], s.ts[k]))
+        for engine, spans in rises.items():  # one engine's series merged: sorted, disjoint
+            merged: list[tuple[float, float]] = []
+            for a, b in sorted(spans):
+                if merged and a <= merged[-1][1]:
+                    merged[-1] = (merged[-1][0], max(b, merged[-1][1]))
+                else:
+                    merged.append((a, b))
+            preempted[engine] = merged
+        for i, r in enumerate(ready):
+            if r.ttft_s is None:
+                continue
+            a, b = r.start + r.ttft_s, r.end
             m = {"engine": r.engine}
-            stale = sig.gauge_values(STATS_STALE, sp[0], sp[1], m)
+            stale = sig.gauge_values(STATS_STALE, a, b, m)
             if stale and max(stale) >= 1.0:
                 continue
-            vals = sig.gauge_values(RUNNING, sp[0], sp[1], m)
+            vals = sig.gauge_values(RUNNING, a, b, m)
             if vals:
                 out[i] = sum(vals) / len(vals)
-        return out
+        return out, preempted
 
     @staticmethod
     def _neighbours(
