@@ -498,3 +498,19 @@ def test_a_short_slow_phase_is_read_over_at_least_a_few_engine_samples():
     assert MIN_SCOPE_S >= 3.0
     att = Attributor(Params(), lead_in_s=0.0).attribute_request(sig, record, verdict)
     assert att.cause == "memory", att.scores
+
+
+def test_debug_logging_shows_every_phase_of_every_verdict(caplog):
+    d = SlowDetector()
+    with caplog.at_level("DEBUG", logger="kvpressure.agent.attribution.detector"):
+        for i in range(31):
+            d.judge(span(i, 0.06, 63 * 0.02), batch=2)
+        line = caplog.records[-1].getMessage()
+        assert "(in 100, out 64)" in line
+        for phase in ("queue", "prefill", "ttft", "tpot"):
+            assert f"{phase} " in line
+        assert "tpot 0.02 <= " in line and "(baseline, expected 0.02" in line
+        assert "size 2)" in line
+        caplog.clear()
+        d.judge(span(40, 0.06, 63 * 0.9), batch=2)
+        assert "tpot 0.9 > " in caplog.records[-1].getMessage()

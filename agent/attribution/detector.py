@@ -118,6 +118,7 @@ the delay it caused).
 from __future__ import annotations
 
 import bisect
+import logging
 import math
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
@@ -125,6 +126,8 @@ from dataclasses import dataclass
 
 from kvpressure.agent.attribution.rules import prefill_span, uncached_tokens
 from kvpressure.agent.requests.record import RequestRecord
+
+log = logging.getLogger(__name__)
 
 PHASES: tuple[str, ...] = ("queue", "prefill", "ttft", "tpot", "itl_max", "e2e")
 """Phases a verdict can name."""
@@ -715,6 +718,17 @@ class SlowDetector:
         slow_phases = tuple(
             sorted((p for p in judged if p.value_s > p.threshold_s), key=lambda p: -p.excess)
         )
+        if log.isEnabledFor(logging.DEBUG):  # every verdict, for whoever tunes a workload
+            log.debug(
+                "judged %s request %.3f-%.3f (in %s, out %s): %s",
+                r.engine, r.start, r.end, r.input_tokens, r.output_tokens,
+                "; ".join(
+                    f"{p.phase} {p.value_s:.4g} {'>' if p.value_s > p.threshold_s else '<='}"
+                    f" {p.threshold_s:.4g} ({p.basis}, expected {p.expected_s or 0:.4g},"
+                    f" size {p.size or 0:.4g})"
+                    for p in judged
+                ),
+            )  # fmt: skip
         if r.outcome == "ok" and not slow_phases:
             for phase, size, value, tokens in learn:
                 key = (r.engine, phase)
