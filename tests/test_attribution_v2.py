@@ -171,6 +171,25 @@ def test_the_sampler_tells_the_detector_when_the_engine_preempted():
     assert detector.baseline_size(ENG, "tpot") == 1
 
 
+def test_a_batch_slope_is_not_extrapolated_past_the_batches_seen():
+    # calm on a CPU engine: 3 ms per token alone, 7 ms beside another request (a slope as
+    # steep as the cost itself); at batch 8 its unslowed decodes cost 7.5 ms, not 4x that
+    d = SlowDetector()
+    for i in range(60):
+        batch = 1 if i % 2 else 2
+        v = d.judge(span(i, 0.01, 15 * (0.003 if batch == 1 else 0.007), out=16), batch=batch)
+        assert v is not None and not v.slow
+    v = d.judge(span(100, 0.01, 1199 * 0.0075, out=1200), batch=8)
+    assert v is not None and not v.slow
+    assert d.threshold(ENG, "tpot", 8)[0] == d.threshold(ENG, "tpot", 2)[0]
+    # decodes at 2.8x the largest batch's cost (waiting for KV blocks) are slow
+    v = d.judge(span(110, 0.01, 1199 * 0.02, out=1200), batch=8)
+    assert v is not None and v.slow and v.phase == "tpot"
+    # below the batches seen, the cost of the smallest one: batch 0.5 is not held to 1.5 ms
+    v = d.judge(span(120, 0.01, 15 * 0.003, out=16), batch=0.5)
+    assert v is not None and not v.slow
+
+
 def test_a_decode_stall_is_judged_on_the_longest_gap_of_a_stream():
     d = SlowDetector()
     gaps = (0.02,) * 15

@@ -20,15 +20,22 @@ itl_max   the longest inter-token gap (streams)    the same batch size
 e2e       ``e2e_s`` of requests without a TTFT     output tokens where known
 ========= ======================================= =========================================
 
-The fit (:class:`CostModel`) is Theil-Sen: the slope is the median of the pairwise slopes
-between points whose sizes differ by at least a factor 2, between 0 and the median cost per
-unit of size; the intercept is the median residual. A workload of one size says nothing
-about the slope: token-sized phases then scale with the tokens (the per-token rate of the
-requests seen, so a 3,000-token prompt after 100-token ones is expected to cost 30 times
-theirs), batch-sized ones stay constant (a decode that slows as the batch grows is then
-slow until larger batches have been seen not to be). For a request of size ``x``::
+The fit (:class:`CostModel`) of a token-sized phase is Theil-Sen: the slope is the median
+of the pairwise slopes between points whose sizes differ by at least a factor 2, between 0
+and the median cost per unit of size; the intercept is the median residual. A workload of
+one size says nothing about the slope: the cost then scales with the tokens (the per-token
+rate of the requests seen, so a 3,000-token prompt after 100-token ones is expected to cost
+30 times theirs). A batch-sized phase's cost is the curve of binned medians
+(:func:`binned_medians`): the median cost of each batch-size bin (powers of 2, 3 points at
+least), non-decreasing, linear between bins and never extrapolated: a batch larger than
+any seen is expected to cost what the largest seen did (a decode that slows as the batch
+grows is then slow until larger batches have been seen not to be). Decode cost is not
+linear in the batch (flat while memory-bound, rising once compute-bound), and a line
+through batches of 1 and 2 extrapolated to 8 expected four times the cost there on a CPU
+vLLM whose unslowed batch-8 decodes cost what its batch-2 ones did. For a request of size
+``x``::
 
-    expected(x)  = intercept + slope x                       (at least 1 microsecond)
+    expected(x)  = intercept + slope x, or the binned curve  (at least 1 microsecond)
     ratio_i      = value_i / expected(x_i)                    over the fitted points
     threshold(x) = max(factor x quantile_q'(ratio) x expected(x), expected(x) + floor_s)
     q'           = min(q, 1 - 3 / n)                         (n fitted points)
@@ -296,6 +303,80 @@ def _overlaps(intervals: Sequence[tuple[float, float]], a: float, b: float) -> b
     return i >= 0 and intervals[i][1] > a
 
 
+MIN_BIN_POINTS = 3
+"""Points a size bin needs before its median cost is a knot of a batch-sized cost curve."""
+
+
+def binned_medians(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """A batch-sized cost curve through ``points`` (``(size, cost)`` pairs): its knots.
+
+    Sizes are binned by powers of :data:`MIN_SIZE_RATIO` (sizes below 2 share the first
+    bin); each bin of at least :data:`MIN_BIN_POINTS` points gives the knot (median size,
+    median cost), and the knots' costs are made non-decreasing (a cost does not fall with
+    the batch; a cheaper bin takes the cost of the one below it). With no bin that full,
+    one knot: the medians of all points. The cost between knots is interpolated linearly
+    and beyond them held at the end knots' (:func:`interpolate`): nothing is extrapolated.
+    ``O(n log n)``.
+
+    Returns:
+        ``(size, cost)`` knots by ascending size.
+
+    Raises:
+        ValueError: ``points`` is empty.
+    """
+    if not points:
+        raise ValueError("fit of no points")
+    bins: dict[int, list[tuple[float, float]]] = {}
+    for x, y in points:
+        k = math.floor(math.log(x, MIN_SIZE_RATIO)) if x >= MIN_SIZE_RATIO else 0
+        bins.setdefault(k, []).append((x, y))
+    knots = [
+        (_median([x for x, _ in b]), _median([y for _, y in b]))
+        for _, b in sorted(bins.items())
+        if len(b) >= MIN_BIN_POINTS
+    ]
+    if not knots:
+        knots = [(_median([x for x, _ in points]), _median([y for _, y in points]))]
+    top = -math.inf
+    out: list[tuple[float, float]] = []
+    for x, y in knots:
+        top = max(top, y)
+        out.append((x, top))
+    return out
+
+
+def interpolate(knots: Sequence[tuple[float, float]], x: float) -> float:
+    """The cost at ``x`` on the curve of ``knots`` (:func:`binned_medians`), seconds.
+
+    Linear between knots, the first or last knot's cost outside them.
+    """
+    if x <= knots[0][0]:
+        return knots[0][1]
+    if x >= knots[-1][0]:
+        return knots[-1][1]
+    i = bisect.bisect_right(knots, (x, math.inf))
+    (x0, y0), (x1, y1) = knots[i - 1], knots[i]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0) if x1 > x0 else y1
+
+
+@dataclass(frozen=True, slots=True)
+class _Fit:
+    """One refit of a :class:`CostModel`."""
+
+    intercept: float
+    slope: float
+    knots: list[tuple[float, float]] | None  # a batch-sized curve; None: the line
+    ratios: list[float]  # value / expected of every kept point, sorted
+    weighted: list[tuple[float, float]]  # (ratio, tokens the value is a mean over)
+    fewest: float  # the fewest tokens of any kept point
+
+    def cost(self, x: float) -> float:
+        """The fitted cost of size ``x``, seconds, at least 1 microsecond."""
+        if self.knots is not None:
+            return max(interpolate(self.knots, x), 1e-6)
+        return max(self.intercept + self.slope * x, 1e-6)
+
+
 class CostModel:
     """Online robust fit of one phase's cost against a request's size (one engine).
 
@@ -313,9 +394,7 @@ class CostModel:
         self.proportional = proportional
         # (size, value, tokens averaged in the value: 1 unless the value is a mean)
         self.points: deque[tuple[float, float, float]] = deque(maxlen=size)
-        # intercept, slope, sorted ratios, ratios with their tokens, fewest tokens
-        self._fit: tuple[float, float, list[float], list[tuple[float, float]], float] | None
-        self._fit = None
+        self._fit: _Fit | None = None
         self._since_fit = 0
 
     def add(self, x: float, y: float, tokens: float = 1.0) -> None:
@@ -330,27 +409,40 @@ class CostModel:
         self.points.append((x, y, max(1.0, tokens)))
         self._since_fit += 1
 
-    def _model(self) -> tuple[float, float, list[float], list[tuple[float, float]], float]:
+    def _model(self) -> _Fit:
         due = self._since_fit >= REFIT_EVERY or (
             self._since_fit > 0 and len(self.points) <= FIT_POINTS
         )
         if self._fit is None or due:
             pts = list(self.points)
-            a, b = theil_sen([(x, y) for x, y, _ in pts[-FIT_POINTS:]], self.proportional)
-            weighted = [(y / max(a + b * x, 1e-6), n) for x, y, n in pts]
+            latest = [(x, y) for x, y, _ in pts[-FIT_POINTS:]]
+            if self.proportional:
+                a, b = theil_sen(latest, True)
+                knots = None
+            else:
+                a, b = 0.0, 0.0
+                knots = binned_medians(latest)
+            shape = _Fit(a, b, knots, [], [], 0.0)
+            weighted = [(y / shape.cost(x), n) for x, y, n in pts]
             ratios = sorted(r for r, _ in weighted)
-            self._fit = (a, b, ratios, weighted, min(n for _, n in weighted))
+            self._fit = _Fit(a, b, knots, ratios, weighted, min(n for _, n in weighted))
             self._since_fit = 0
         return self._fit
 
     def expected(self, x: float) -> float:
         """Fitted cost of size ``x``, seconds (at least 1 microsecond).
 
+        A token-sized cost (``proportional``) is the Theil-Sen line; a batch-sized one the
+        curve of binned medians (:func:`binned_medians`), never extrapolated: a slope seen
+        between batches of 1 and 2 says little about a batch of 8 (on a CPU engine it read
+        4x the batch-2 cost where unslowed batch-8 decodes cost about as much), so a larger
+        batch is expected to cost what the largest one seen did until it has been seen not
+        to be slow.
+
         Raises:
             ValueError: no point learnt yet.
         """
-        a, b, *_ = self._model()
-        return max(a + b * x, 1e-6)
+        return self._model().cost(x)
 
     def threshold(
         self, x: float, q: float, factor: float, floor_s: float, tokens: float = 1.0
@@ -373,7 +465,8 @@ class CostModel:
         Raises:
             ValueError: no point learnt yet.
         """
-        _, _, ratios, weighted, fewest = self._model()
+        f = self._model()
+        ratios, weighted, fewest = f.ratios, f.weighted, f.fewest
         exp = self.expected(x)
         if tokens > fewest:
             ratios = sorted(
