@@ -257,6 +257,7 @@ class Bench:
                 }
             ],
             "attribution": {"recent_attributions": 100000, "recent_requests": 100000},
+            "log_level": getattr(self.args, "agent_log_level", "info"),
         }
         path = self.work / "kvpressure.yaml"
         path.write_text(yaml.safe_dump(cfg, sort_keys=False))
@@ -634,6 +635,13 @@ def parser(doc: str, *, warmup: int, gap_s: float) -> argparse.ArgumentParser:
     p.add_argument("--gap-s", type=float, default=gap_s, help="pause between scenarios")
     p.add_argument("--json", help="write results and the explain document here")
     p.add_argument("--keep", action="store_true", help="keep the work directory (logs)")
+    p.add_argument(
+        "--agent-log-level",
+        default="info",
+        choices=["debug", "info"],
+        help="the agent's log level (debug logs every request's verdict, phase by phase, "
+        "to kvpressure.agent.log in the work dir; keep it with --keep)",
+    )
     p.add_argument("--check", action="store_true", help="exit 1 when a target is missed")
     return p
 

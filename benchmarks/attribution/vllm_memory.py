@@ -681,13 +681,6 @@ def main(argv: list[str] | None = None) -> int:
         help="requests of the decode scenario (one wave of 24 by default)",
     )
     p.add_argument("--workdir", default=None, help="where logs go (default: the temp dir)")
-    p.add_argument(
-        "--agent-log-level",
-        default="info",
-        choices=["debug", "info"],
-        help="the agent's log level (debug logs every request's verdict, phase by phase, "
-        "to kvpressure.agent.log in the work dir; keep it with --keep)",
-    )
     args = bench.parse(p, argv, SCENARIOS)
     results, doc, text, ok, problems = run(args)
     bench.emit(text, results, doc, ok, args.json, problems=problems)
