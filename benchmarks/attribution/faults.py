@@ -273,6 +273,21 @@ def evict_file(path: Path) -> None:
         os.close(fd)
 
 
+BURN = """
+import os
+while True:
+    for _ in range(1_000_000):
+        pass
+    try:
+        os.kill({parent}, 0)
+    except OSError:  # the benchmark is gone (killed before its cleanup ran): stop
+        break
+"""
+"""A CPU burner that ends when the benchmark process does: a fault injector must not outlive
+the run that injected it (a killed test run once left two fsync writers running for half an
+hour, and every later run on the machine saw a storage fault)."""
+
+
 class CpuBurners:
     """``n`` busy-looping processes (context manager)."""
 
@@ -283,7 +298,9 @@ class CpuBurners:
     def __enter__(self) -> CpuBurners:
         for _ in range(self.n):
             self.procs.append(
-                subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
+                subprocess.Popen(
+                    [sys.executable, "-c", BURN.format(parent=os.getpid())], start_new_session=True
+                )
             )
         return self
 
@@ -384,8 +401,8 @@ class StoragePressure:
         for i in range(self.writers):
             f = self.dir / f"fill-{i}.bin"
             cmd = (
-                f"while :; do dd if=/dev/zero of={f} bs=1M count={self.write_mb} "
-                "conv=fsync status=none; done"
+                f"while kill -0 {os.getpid()} 2>/dev/null; do dd if=/dev/zero of={f} "
+                f"bs=1M count={self.write_mb} conv=fsync status=none; done; rm -f {f}"
             )
             self.procs.append(subprocess.Popen(["bash", "-c", cmd], start_new_session=True))
         self._thread.start()
