@@ -483,29 +483,3 @@ def test_the_same_stalls_under_a_memory_shortage_are_memory(build):
     assert ev(evidence, "psi_memory_some").cause == "memory"
     assert ev(evidence, "major_faults").cause == "memory"
     assert ev(evidence, "psi_io_some") is None  # 0.5 - 0.45 s/s net of memory: below 0.10
-
-
-def test_a_busy_disk_while_the_host_swaps_is_the_paging():
-    """A decode span recorded in the llama.cpp memory scenario (a cgroup limit, the host
-    swapping): the disk's queue is saturated, and it is the swap's. Named storage before
-    (disk_queue 0.7 against swap_out 0.6); the disk evidence is now memory's."""
-    synth = (
-        Synth()
-        .counter(PSI, 0.083, resource="memory", kind="full", scope=ENG)
-        .counter("kvpressure_host_swap_out_pages_total", 1672)
-        .counter("kvpressure_host_swap_in_pages_total", 277)
-        .counter("kvpressure_disk_io_time_seconds_total", 0.74, device="vda")
-        .counter("kvpressure_disk_io_time_weighted_seconds_total", 41.8, device="vda")
-    )
-    scores, evidence, _ = run(synth)
-    assert primary_cause(scores, 0.3) == "memory", evidence
-    assert ev(evidence, "disk_queue").cause == "memory"
-    assert ev(evidence, "disk_busy").cause == "memory"
-    assert scores["storage"] == 0.0
-    # the same disk without the swap is storage (the storage scenario, above)
-    scores, evidence, _ = run(
-        Synth()
-        .counter("kvpressure_disk_io_time_seconds_total", 0.74, device="vda")
-        .counter("kvpressure_disk_io_time_weighted_seconds_total", 41.8, device="vda")
-    )
-    assert primary_cause(scores, 0.3) == "storage"

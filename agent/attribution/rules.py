@@ -121,14 +121,9 @@ is short: a shortage rule (``swap_in``, ``swap_out``, ``allocstalls``, ``memory_
 evicted for another reason (weights dropped from the page cache, a KV tier on disk) and
 come back at the disk's pace, so when a storage rule fired too, memory PSI and major faults
 are *storage* evidence, and io PSI is read whole. With a shortage, io PSI is read net of
-memory PSI (the thrashing's own I/O is the memory's), and the disk rules (``disk_busy``,
-``disk_queue``, ``disk_read``) are memory evidence: a disk queue of 40 while the host swaps
-out 1,700 pages/s is the paging's (on llama.cpp under a cgroup limit, decode spans read
-``disk_queue`` saturated beside ``swap_out`` and were named storage). A storage fault that
-coincides with a memory shortage is then named memory, its disk evidence listed under it.
-A limit the agent cannot see (a cgroup v1 limit, an engine without a configured ``cgroup``)
-leaves thrashing without swap looking like storage; configure the engine's cgroup so its
-``memory.max`` is read.
+memory PSI (the thrashing's own I/O is the memory's). A limit the agent cannot see (a
+cgroup v1 limit, an engine without a configured ``cgroup``) leaves thrashing without swap
+looking like storage; configure the engine's cgroup so its ``memory.max`` is read.
 
 **Contention versus the engine's own load.** CPU PSI ``some`` is the share of time some
 task waited for a CPU. A CPU engine with more busy threads than cores (vLLM's worker on 2
@@ -979,10 +974,6 @@ STALLS_OF_SHORTAGE = frozenset({"psi_memory_some", "psi_memory_full", "major_fau
 """Memory-stall rules that are storage evidence when memory is not short and a storage rule
 fired (pages evicted for another reason, read back from disk)."""
 
-DISK_OF_SHORTAGE = frozenset({"disk_busy", "disk_queue", "disk_read"})
-"""Disk rules that are memory evidence when memory is short: the disk is busy paging for the
-shortage (swap, file pages refaulted after reclaim), as io PSI is read net of memory PSI."""
-
 IO_NET_OF_MEMORY = {"psi_io_some": "psi_memory_some", "psi_io_full": "psi_memory_full"}
 """io PSI rules and the memory PSI rule subtracted from them when memory is short."""
 
@@ -1057,14 +1048,6 @@ def evaluate(
         thr, sat = params.limits(rule)
         found.append(Evidence(rule.cause, rule.name, m.metric, value, thr, sat, s, rule.unit,
                               m.labels))  # fmt: skip
-    if shortage:  # the disk's queue and traffic are the paging's
-        found = [
-            Evidence("memory", e.signal, e.metric, e.value, e.threshold, e.saturation,
-                     e.score, e.unit, e.labels)
-            if e.signal in DISK_OF_SHORTAGE
-            else e
-            for e in found
-        ]  # fmt: skip
     if not shortage and any(e.cause == "storage" or e.signal == "major_faults" for e in found):
         found = [
             Evidence("storage", e.signal, e.metric, e.value, e.threshold, e.saturation,
