@@ -6,7 +6,8 @@ catalogue, so label sets that vanished from the snapshot disappear from the expo
 without bookkeeping. :func:`render` picks the text format or OpenMetrics from the
 ``Accept`` header (``prometheus_client.exposition.choose_encoder``).
 :class:`ExpositionCache` renders once per change of the state (not once per scrape), per
-format, and gzips the body for a scraper that accepts it (Prometheus always does).
+format, and gzips the body for a scraper that accepts it (Prometheus always does:
+:func:`gzip_acceptable` reads ``Accept-Encoding`` as RFC 9110 12.5.3 says, ``q=0`` included).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Final
 
 from prometheus_client.core import Metric
-from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, choose_encoder, gzip_accepted
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, choose_encoder
 from prometheus_client.openmetrics.exposition import CONTENT_TYPE_LATEST as OM_CONTENT_TYPE
 from prometheus_client.registry import Collector, CollectorRegistry
 from prometheus_client.utils import floatToGoString as _float_to_go
@@ -147,7 +148,7 @@ class ExpositionCache:
     A scrape whose state version (:attr:`agent.state.AgentState.version`) and format match
     the last rendering gets the same bytes without rendering again; so does every scraper
     polling faster than the samplers publish (llm-d's endpoint picker polls every 50 ms).
-    Holds at most one body per (format, gzip) pair: four.
+    Holds one body per (content type, gzip) pair, at most :data:`BODIES_KEPT`.
 
     The two default formats (text 0.0.4, OpenMetrics with the default escaping) are
     written by :class:`Encoder` (the library's bytes, several times faster); any other,
@@ -165,6 +166,9 @@ class ExpositionCache:
         self._encoder = Encoder()
         self._lock = threading.Lock()
         self._bodies: dict[tuple[str, bool], tuple[object, bytes]] = {}
+        self._negotiated: dict[
+            tuple[str | None, str | None], tuple[Callable[[CollectorRegistry], bytes], str, bool]
+        ] = {}
 
     def _render(self, encoder: Callable[[CollectorRegistry], bytes], content_type: str) -> bytes:
         """The body in ``content_type``: :class:`Encoder` where it applies, else the library."""
@@ -175,21 +179,44 @@ class ExpositionCache:
                 return body
         return encoder(self._registry)
 
+    def negotiate(
+        self, accept: str | None, accept_encoding: str | None
+    ) -> tuple[Callable[[CollectorRegistry], bytes], str, bool]:
+        """``(library encoder, content type, gzip)`` for a scrape's two headers.
+
+        The format is ``prometheus_client``'s ``choose_encoder`` of ``accept``; gzip is
+        :func:`gzip_acceptable` of ``accept_encoding``. A scraper sends the same two headers
+        every time, so the answer is kept per header pair (at most
+        :data:`NEGOTIATIONS_KEPT` pairs, then all are forgotten: a client varying its
+        headers only costs the parsing again).
+        """
+        key = (accept, accept_encoding)
+        hit = self._negotiated.get(key)
+        if hit is None:
+            encoder, content_type = choose_encoder(accept or "")
+            hit = (encoder, content_type, gzip_acceptable(accept_encoding))
+            if len(self._negotiated) >= NEGOTIATIONS_KEPT:
+                self._negotiated.clear()
+            self._negotiated[key] = hit
+        return hit
+
     def get(self, accept: str | None, accept_encoding: str | None) -> tuple[bytes, str, bool]:
         """Return ``(body, content_type, gzipped)`` for one scrape.
 
         Args:
             accept: the ``Accept`` header (format, see :func:`render`).
-            accept_encoding: the ``Accept-Encoding`` header (``prometheus_client``'s
-                ``gzip_accepted``).
+            accept_encoding: the ``Accept-Encoding`` header (:func:`gzip_acceptable`).
         """
-        encoder, content_type = choose_encoder(accept or "")
-        zipped = gzip_accepted(accept_encoding or "")
+        encoder, content_type, zipped = self.negotiate(accept, accept_encoding)
         with self._lock:
             version = self._state.version
             hit = self._bodies.get((content_type, zipped))
             if hit is not None and hit[0] == version:
                 return hit[1], content_type, zipped
+            if len(self._bodies) >= BODIES_KEPT:
+                # the content type carries the version the scraper asked for
+                # (``version=1.0.1``): a client varying it must not grow this
+                self._bodies.clear()
             plain = self._bodies.get((content_type, False))
             if plain is not None and plain[0] == version:
                 body = plain[1]
@@ -200,6 +227,52 @@ class ExpositionCache:
                 body = gzip.compress(body, compresslevel=GZIP_LEVEL, mtime=0)
                 self._bodies[(content_type, True)] = (version, body)
             return body, content_type, zipped
+
+
+BODIES_KEPT: Final = 8
+"""Most bodies :class:`ExpositionCache` keeps (per content type and gzip; the usual are four)."""
+
+
+NEGOTIATIONS_KEPT: Final = 64
+"""Most ``(Accept, Accept-Encoding)`` pairs :meth:`ExpositionCache.negotiate` remembers."""
+
+_GZIP_CODINGS: Final = frozenset(("gzip", "x-gzip"))
+
+
+def gzip_acceptable(accept_encoding: str | None) -> bool:
+    """Whether a response may be gzipped for this ``Accept-Encoding`` header (RFC 9110 12.5.3).
+
+    Each listed coding has a weight (``q``, 0 to 1, default 1); ``q=0`` means "not
+    acceptable". gzip (or its alias ``x-gzip``, 8.4.1.3) is acceptable when it is listed
+    with a weight above 0, or, not listed, when ``*`` is; and it is chosen unless
+    ``identity`` (no coding) is listed with a higher weight. A coding whose weight is not
+    a number from 0 to 1 counts as not listed. ``prometheus_client``'s ``gzip_accepted``
+    reads the name only, so ``gzip;q=0`` got a gzipped body.
+
+    Args:
+        accept_encoding: the header's value; ``None`` or empty: no coding asked for.
+
+    Returns:
+        True to send ``Content-Encoding: gzip``; False for the plain body.
+    """
+    if not accept_encoding:
+        return False
+    weights: dict[str, float] = {}
+    for element in accept_encoding.split(","):
+        coding, *params = element.split(";")
+        coding = coding.strip().lower()
+        q = 1.0
+        for param in params:
+            name, _, value = param.partition("=")
+            if name.strip().lower() == "q":
+                try:
+                    q = float(value.strip())
+                except ValueError:
+                    q = math.nan
+        if coding and 0.0 <= q <= 1.0:  # NaN compares False: a bad weight is not listed
+            weights.setdefault("gzip" if coding in _GZIP_CODINGS else coding, q)
+    q_gzip = weights.get("gzip", weights.get("*", 0.0))
+    return q_gzip > 0.0 and q_gzip >= weights.get("identity", weights.get("*", 0.0))
 
 
 _LEGACY_LABEL_NAME: Final = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
