@@ -91,13 +91,27 @@ def _family_of(sample_name: str) -> str | None:
     histogram's samples are ``<name>_bucket`` (with ``le``), ``<name>_count`` and
     ``<name>_sum``.
     """
+    try:
+        return _FAMILY_OF[sample_name]
+    except KeyError:
+        pass
+    family: str | None = None
     if sample_name in CATALOGUE:
-        return None if CATALOGUE[sample_name].kind == "histogram" else sample_name
-    for suffix in _HISTOGRAM_SUFFIXES:
-        base = sample_name.removesuffix(suffix)
-        if base != sample_name and base in CATALOGUE and CATALOGUE[base].kind == "histogram":
-            return base
-    return None
+        family = None if CATALOGUE[sample_name].kind == "histogram" else sample_name
+    else:
+        for suffix in _HISTOGRAM_SUFFIXES:
+            base = sample_name.removesuffix(suffix)
+            if base != sample_name and base in CATALOGUE and CATALOGUE[base].kind == "histogram":
+                family = base
+                break
+    if len(_FAMILY_OF) >= _FAMILIES_KEPT:  # names outside the catalogue (a bug) stay bounded
+        _FAMILY_OF.clear()
+    _FAMILY_OF[sample_name] = family
+    return family
+
+
+_FAMILY_OF: dict[str, str | None] = {}
+_FAMILIES_KEPT: Final = 4096
 
 
 class SnapshotCollector(Collector):
@@ -301,6 +315,27 @@ def _escape_value(value: str) -> str:
     return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
 
 
+_CATALOGUE_ORDER: Final = {name: i for i, name in enumerate(CATALOGUE)}
+
+
+def _family_head(name: str, openmetrics: bool) -> tuple[str, str]:
+    """``(family name, its HELP/TYPE(/UNIT) lines)`` of catalogue metric ``name``.
+
+    The lines are ``""`` when the family name is not a legacy name (:class:`Encoder`
+    leaves such a family to the library).
+    """
+    metric = CATALOGUE[name]
+    typ, family, unit = _family(name, metric)
+    if not _LEGACY_LABEL_NAME.fullmatch(family):
+        return family, ""
+    if openmetrics:
+        text = f"# HELP {family} {_escape_value(metric.help)}\n# TYPE {family} {typ}\n"
+        return family, text + (f"# UNIT {family} {unit}\n" if unit else "")
+    mname = family + "_total" if typ == "counter" else family
+    doc = metric.help.replace("\\", r"\\").replace("\n", r"\n")
+    return family, f"# HELP {mname} {doc}\n# TYPE {mname} {typ}\n"
+
+
 class Encoder:
     """Writes samples as ``prometheus_client``'s encoders write :func:`families` of them.
 
@@ -320,6 +355,8 @@ class Encoder:
         # written for (a value that did not change since the last rendering, most of a
         # node's series, is not formatted again)
         self._lines: dict[tuple[str, tuple[tuple[str, str], ...]], tuple[str, float, str]] = {}
+        # per (catalogue name, OpenMetrics): the family name and its HELP/TYPE/UNIT lines
+        self._heads: dict[tuple[str, bool], tuple[str, str]] = {}
 
     def encode(
         self,
@@ -353,23 +390,17 @@ class Encoder:
         if len(self._lines) > _PREFIXES_KEPT:
             self._lines.clear()
         lines = self._lines
+        heads = self._heads
         out: list[str] = []
-        for name, metric in CATALOGUE.items():
-            series = grouped.get(name)
-            if not series:
-                continue
-            typ, family, unit = _family(name, metric)
-            if not _LEGACY_LABEL_NAME.fullmatch(family):
+        for name in sorted(grouped, key=_CATALOGUE_ORDER.__getitem__):
+            series = grouped[name]
+            head = heads.get((name, openmetrics))
+            if head is None:
+                head = heads[(name, openmetrics)] = _family_head(name, openmetrics)
+            family, text = head
+            if not text:
                 return None
-            if openmetrics:
-                out.append(f"# HELP {family} {_escape_value(metric.help)}\n")
-                out.append(f"# TYPE {family} {typ}\n")
-                if unit:
-                    out.append(f"# UNIT {family} {unit}\n")
-            else:
-                mname = family + "_total" if typ == "counter" else family
-                doc = metric.help.replace("\\", r"\\").replace("\n", r"\n")
-                out.append(f"# HELP {mname} {doc}\n# TYPE {mname} {typ}\n")
+            out.append(text)
             for key, value in series.items():
                 last = lines.get(key)
                 if last is None:
