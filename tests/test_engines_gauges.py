@@ -335,3 +335,67 @@ def test_engine_sampler_publishes_the_gauges_again_when_the_gauge_sampler_goes_s
         fast.close()
         full.close()
     assert full.gauge_keys[0] == frozenset()
+
+
+def _gauge_text(fixture: str) -> str:
+    body = (ENGINES / fixture).read_text()
+    names = [
+        line.split()[2]
+        for line in body.splitlines()
+        if line.startswith("# TYPE ") and len(line.split()) > 3 and line.split()[3] == "gauge"
+    ]
+    return gauge_lines(body, names[:6])
+
+
+_VALUES = ["0", "-0", "1", "3.0", "0.25", "1e3", "-2.5E-3", "+Inf", "-Inf", "NaN", "nan", "1_0", ""]
+
+
+@pytest.mark.parametrize("fixture", INPUTS)
+def test_reparse_equals_a_whole_parse_of_every_body_whatever_changed(fixture: str) -> None:
+    """The gauge read's shortcut (values put into the last parse's shape) gives exactly what
+    a parse of the body gives, for bodies that change only in values (numbers, NaN,
+    infinities, odd spellings), or in lines too (a line gone, a timestamp, CRLF)."""
+    import random
+
+    from kvpressure.agent.samplers.engines.exposition import Reparse, classify_response
+
+    text = _gauge_text(fixture)
+    if not text:
+        pytest.skip("no gauge family in this fixture")
+    rng = random.Random(fixture)
+    reparse = Reparse()
+    lines = text.split("\n")
+    for step in range(60):
+        out = []
+        for line in lines:
+            if line and line[0] != "#" and " " in line and rng.random() < 0.7:
+                head = line.rpartition(" ")[0]
+                value = rng.choice(_VALUES) if rng.random() < 0.5 else repr(rng.random() * 100)
+                out.append(f"{head} {value}")
+            else:
+                out.append(line)
+        if step % 10 == 7:
+            out = out[:-2] + out[-1:]  # a line gone
+        if step % 10 == 8:
+            out = [ln + " 1700000000000" if ln and ln[0] != "#" else ln for ln in out]
+        body = "\n".join(out)
+        if step % 10 == 9:
+            body = body.replace("\n", "\r\n")
+        assert reparse.parse(200, TEXT, body) == classify_response(200, TEXT, body), body
+    assert reparse.parse(503, TEXT, text) == classify_response(503, TEXT, text)
+
+
+def test_gauge_lines_of_undecoded_bytes_equal_those_of_the_decoded_body() -> None:
+    from kvpressure.agent.samplers.engines.base import gauge_lines_raw
+    from kvpressure.agent.samplers.engines.http import HttpResult
+
+    body = (
+        "# HELP vllm:num_requests_running Running — requêtes.\n"
+        + BODY
+        + 'vllm:num_requests_running{model_name="modèle"} 2\n'
+    ).encode() + b'vllm:num_requests_running{model_name="bad\xe2\x82"} 1\n'
+    names = ["vllm:num_requests_running", "absent"]
+    for ctype in (TEXT, None, "text/plain; charset=latin-1", "text/plain; charset=us-ascii"):
+        decoded = HttpResult(200, ctype, "", raw=body).text()
+        assert gauge_lines_raw(body, names, ctype) == gauge_lines(decoded, names), ctype
+    assert gauge_lines_raw(body, ["absent"], TEXT) == ""

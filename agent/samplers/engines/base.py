@@ -46,10 +46,17 @@ from kvpressure.agent.samplers.base import LogOnce, Sampler
 from kvpressure.agent.samplers.engines.exposition import (
     REASON_EMPTY,
     ParseResult,
+    Reparse,
     classify_response,
     failed,
 )
-from kvpressure.agent.samplers.engines.http import Fetch, HttpResult, KeptAlive, http_get
+from kvpressure.agent.samplers.engines.http import (
+    Fetch,
+    HttpResult,
+    KeptAlive,
+    ascii_compatible,
+    http_get,
+)
 from kvpressure.agent.samplers.engines.normalize import (
     MERGE_DUPLICATE,
     MERGE_PER_PROCESS,
@@ -518,6 +525,7 @@ class EngineGaugeSampler(Sampler):
         self._type: str | None = None
         self._normalizer: Normalizer | None = None
         self._wanted: tuple[str, ...] = ()
+        self._reparse = Reparse()
 
     def close(self) -> None:
         """Close the HTTP client and the kept connection; the engine sampler reads all again."""
@@ -538,7 +546,11 @@ class EngineGaugeSampler(Sampler):
             return
         mapping = ENGINE_TYPES[self._type or ""]
         deadline = time.monotonic() + 0.9 * self.timeout_s
-        res = self._raw.get(mapping.metrics_path, deadline) if self._raw is not None else None
+        res = (
+            self._raw.get(mapping.metrics_path, deadline, decode=False)
+            if self._raw is not None
+            else None
+        )
         if res is None:
             left = deadline - time.monotonic()
             res = (
@@ -550,7 +562,12 @@ class EngineGaugeSampler(Sampler):
             batch.source_error("metrics", res.reason or f"http_{res.status}")
             eng.gauge_keys = (frozenset(), 0.0)
             return
-        result = classify_response(res.status, res.content_type, gauge_lines(res.body, names))
+        text = (
+            gauge_lines(res.body, names)
+            if res.raw is None
+            else gauge_lines_raw(res.raw, names, res.content_type)
+        )
+        result = self._reparse.parse(res.status, res.content_type, text)
         scrape = self._normalizer.normalize(result, eng.default_model)
         admitted = set(eng._models)
         for s in scrape.samples:
@@ -607,3 +624,42 @@ def gauge_lines(body: str, names: Iterable[str]) -> str:
             i = body.find(name, i + size)
     found.sort()
     return "".join(line + "\n" for _, line in found)
+
+
+_LINE_ENDS: Final = (b"", b" ", b"\t", b"{", b"\r", b"\n")
+_HEADS: Final = (b"# HELP ", b"# TYPE ")
+
+
+def gauge_lines_raw(raw: bytes, names: Iterable[str], content_type: str | None) -> str:
+    """:func:`gauge_lines` of an undecoded body: only the lines found are decoded.
+
+    Args:
+        raw: the body's bytes.
+        names: family (and sample) names, ASCII.
+        content_type: the response's ``Content-Type`` (its charset).
+
+    Returns:
+        ``gauge_lines(body, names)`` of the body decoded as :func:`~.http.http_get` decodes
+        it. For a UTF-8 (or ASCII, or unstated) charset the names are searched in the bytes
+        and each line found decoded alone (equal, since a newline never falls inside a
+        UTF-8 sequence); any other charset decodes the whole body first.
+    """
+    if not ascii_compatible(content_type):
+        return gauge_lines(HttpResult(200, content_type, "", raw=raw).text(), names)
+    found: list[tuple[int, bytes]] = []
+    for text in names:
+        name = text.encode("ascii")
+        size = len(name)
+        i = raw.find(name)
+        while i >= 0:
+            if raw[i + size : i + size + 1] in _LINE_ENDS:
+                start = raw.rfind(b"\n", 0, i) + 1
+                if i == start or raw[start:i] in _HEADS:
+                    end = raw.find(b"\n", i)
+                    found.append((start, raw[start : end if end >= 0 else len(raw)]))
+            i = raw.find(name, i + size)
+    if not found:
+        return ""
+    found.sort()
+    lines = b"\n".join(line for _, line in found)
+    return HttpResult(200, content_type, "", raw=lines).text() + "\n"

@@ -869,3 +869,109 @@ def _parse(body: str, wanted: frozenset[str] | None) -> FastParse:
     if name:
         emit(name, doc, typ, samples, keep)
     return out
+
+
+def _token_value(token: str) -> float | None:
+    """A sample line's value token as :func:`parse_text` reads it; ``None`` for NaN or odd."""
+    if len(token) > _MAX_VALUE_CHARS or not _NUMBER.fullmatch(token):
+        return None
+    value = float(token)
+    if value == 0.0 and token.lstrip("+-").isdigit():
+        return 0.0  # an integer literal: "-0" is 0, as the library reads it
+    return None if math.isnan(value) else value
+
+
+class Reparse:
+    """Parses a small body that repeats the last one's lines with other values, cheaply.
+
+    For a reader that GETs the same few lines over and over (the 10 Hz gauge read,
+    :class:`~agent.samplers.engines.base.EngineGaugeSampler`): when every line of ``body``
+    equals the last body's up to the value token (the text after the line's last space),
+    the last parse's families are reused with the new values, and nothing else is parsed.
+    A body with any other change, a value that is NaN or outside the fast grammar, or a
+    parse this shortcut could not mirror (the library's, errors, exemplars, a timestamp,
+    a NaN sample dropped, CRLF line ends) goes through :func:`classify_response`.
+    The result is always equal to ``classify_response(status, content_type, body)``
+    (``tests/test_engines_gauges.py`` checks it on generated value changes).
+
+    Holds one body's template (its lines less the values, and the families' names and
+    label sets): bounded by the body, replaced when another body parses cleanly.
+    """
+
+    __slots__ = ("_families", "_key")
+
+    def __init__(self) -> None:
+        self._key: tuple[str | None, list[str]] | None = None
+        # (family name, type, help, [(sample name, labels)]) in body order
+        self._families: list[tuple[str, str, str, list[tuple[str, Mapping[str, str]]]]] = []
+
+    def parse(self, status: int, content_type: str | None, body: str) -> ParseResult:
+        """``classify_response(status, content_type, body)``, reusing the last parse's shape.
+
+        Args:
+            status: the HTTP status code.
+            content_type: the ``Content-Type`` header, or ``None``.
+            body: the decoded body.
+
+        Returns:
+            A :class:`ParseResult` equal to :func:`classify_response`'s. Never raises.
+        """
+        if not 200 <= status < 300:
+            return failed(f"http_{status}")
+        heads: list[str] = []
+        tokens: list[str] = []
+        for line in body.split("\n"):
+            if not line or line[0] == "#":
+                heads.append(line)
+                continue
+            head, _, token = line.rpartition(" ")
+            heads.append(head)
+            tokens.append(token)
+        key = (content_type, heads)
+        if key == self._key:
+            values = [_token_value(t) for t in tokens]
+            if None not in values:
+                result = ParseResult(format="text")
+                it = iter(values)
+                for fname, ftype, fhelp, samples in self._families:
+                    result.families.append(
+                        ParsedFamily(
+                            fname,
+                            ftype,
+                            fhelp,
+                            [ParsedSample(n, labels, next(it)) for n, labels in samples],  # type: ignore[arg-type]
+                        )
+                    )
+                return result
+        result = classify_response(status, content_type, body)
+        self._learn(key, tokens, result)
+        return result
+
+    def _learn(
+        self, key: tuple[str | None, list[str]], tokens: list[str], result: ParseResult
+    ) -> None:
+        """Keep ``result``'s shape when each of its samples is one value token, in order."""
+        if result.reason or result.format != "text" or result.error_count:
+            return
+        if result.skipped_families or result.skipped_samples:
+            return
+        it = iter(tokens)
+        families = []
+        for f in result.families:
+            samples: list[tuple[str, Mapping[str, str]]] = []
+            for s in f.samples:
+                token = next(it, None)
+                value = None if token is None else _token_value(token)
+                if (
+                    value is None
+                    or s.exemplar is not None
+                    or value != s.value
+                    or math.copysign(1.0, value) != math.copysign(1.0, s.value)
+                ):
+                    return
+                samples.append((s.name, s.labels))
+            families.append((f.name, f.type, f.help, samples))
+        if next(it, None) is not None:
+            return  # a value token no sample came from (a NaN dropped, a comment)
+        self._key = key
+        self._families = families
