@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from kvpressure.agent.samplers.engines.base import GAUGES, EngineSampler, gauge_lines
+from kvpressure.agent.samplers.engines.exposition import ParseResult
 from kvpressure.agent.samplers.engines.http import KeptAlive
 from kvpressure.agent.samples import Batch
 
@@ -350,27 +351,20 @@ def _gauge_text(fixture: str) -> str:
 _VALUES = ["0", "-0", "1", "3.0", "0.25", "1e3", "-2.5E-3", "+Inf", "-Inf", "NaN", "nan", "1_0", ""]
 
 
-@pytest.mark.parametrize("fixture", INPUTS)
-def test_reparse_equals_a_whole_parse_of_every_body_whatever_changed(fixture: str) -> None:
-    """The gauge read's shortcut (values put into the last parse's shape) gives exactly what
-    a parse of the body gives, for bodies that change only in values (numbers, NaN,
-    infinities, odd spellings), or in lines too (a line gone, a timestamp, CRLF)."""
+def _mutations(text: str, seed: str, steps: int, odd: float) -> Iterator[str]:
+    """Bodies like ``text``: values changed (numbers; with probability ``odd`` per value
+    NaN, an infinity or an odd spelling), and now and then a line gone, a timestamp on
+    every sample, CRLF line ends."""
     import random
 
-    from kvpressure.agent.samplers.engines.exposition import Reparse, classify_response
-
-    text = _gauge_text(fixture)
-    if not text:
-        pytest.skip("no gauge family in this fixture")
-    rng = random.Random(fixture)
-    reparse = Reparse()
+    rng = random.Random(seed)
     lines = text.split("\n")
-    for step in range(60):
+    for step in range(steps):
         out = []
         for line in lines:
             if line and line[0] != "#" and " " in line and rng.random() < 0.7:
                 head = line.rpartition(" ")[0]
-                value = rng.choice(_VALUES) if rng.random() < 0.5 else repr(rng.random() * 100)
+                value = rng.choice(_VALUES) if rng.random() < odd else repr(rng.random() * 100)
                 out.append(f"{head} {value}")
             else:
                 out.append(line)
@@ -379,10 +373,44 @@ def test_reparse_equals_a_whole_parse_of_every_body_whatever_changed(fixture: st
         if step % 10 == 8:
             out = [ln + " 1700000000000" if ln and ln[0] != "#" else ln for ln in out]
         body = "\n".join(out)
-        if step % 10 == 9:
-            body = body.replace("\n", "\r\n")
-        assert reparse.parse(200, TEXT, body) == classify_response(200, TEXT, body), body
-    assert reparse.parse(503, TEXT, text) == classify_response(503, TEXT, text)
+        yield body.replace("\n", "\r\n") if step % 10 == 9 else body
+
+
+@pytest.mark.parametrize("fixture", INPUTS)
+def test_reparse_equals_a_whole_parse_of_every_body_whatever_changed(
+    fixture: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The shortcut of the gauge read and of the full scrape (values put into the last
+    parse's shape) gives exactly what a parse of the body gives, for bodies that change
+    only in values, or in lines too; with and without the families a mapping reads."""
+    from kvpressure.agent.samplers.engines import exposition
+    from kvpressure.agent.samplers.engines.base import engine_type_from_families
+    from kvpressure.agent.samplers.engines.exposition import Reparse, classify_response
+    from kvpressure.agent.samplers.engines.registry import ENGINE_TYPES
+
+    parsed: list[str] = []
+
+    def counted(*args: object) -> ParseResult:
+        parsed.append(str(args[2]))
+        return classify_response(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(exposition, "classify_response", counted)
+
+    full = (ENGINES / fixture).read_text()
+    etype = engine_type_from_families(classify_response(200, TEXT, full).family_names())
+    mapping = ENGINE_TYPES.get(etype) if etype else None
+    wanted = mapping.reads() if mapping and mapping.implemented else None
+    cases = [(_gauge_text(fixture), None, 40, 0.2), (full, wanted, 12, 0.0), (full, None, 6, 0.0)]
+    reused = 0
+    for text, want, steps, odd in cases:
+        reparse = Reparse()
+        for body in _mutations(text, fixture, steps, odd):
+            before = len(parsed)
+            got = reparse.parse(200, TEXT, body, want)
+            reused += len(parsed) == before
+            assert got == classify_response(200, TEXT, body, want), body[:2000]
+        assert reparse.parse(503, TEXT, text) == classify_response(503, TEXT, text)
+    assert reused >= 10, "bodies that changed only in values were parsed whole"
 
 
 def test_gauge_lines_of_undecoded_bytes_equal_those_of_the_decoded_body() -> None:

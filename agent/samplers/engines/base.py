@@ -1,7 +1,9 @@
 """The engine sampler: scrape an inference engine's metrics and normalize them.
 
 One :class:`EngineSampler` per configured engine endpoint. Each cycle it GETs the metrics
-path, classifies and parses the response (:mod:`~agent.samplers.engines.exposition`),
+path, classifies and parses the response (:mod:`~agent.samplers.engines.exposition`; a body
+whose lines equal the last one's up to their values takes the last parse's shape with the
+new values, :class:`~agent.samplers.engines.exposition.Reparse`),
 resolves the engine type (``auto``: from metric-name prefixes, kept once known), applies
 the type's mapping (:mod:`~agent.samplers.engines.normalize`) and runs the type's add-on
 (llama.cpp ``/slots``). Every cycle emits, whatever happened:
@@ -237,6 +239,7 @@ class EngineSampler(Sampler):
         self._failing = ""
         self._stale = StaleTracker()
         self._wanted: frozenset[str] | None = None
+        self._reparse = Reparse()  # a body with the last one's lines is not parsed again
         self._pod_labels = pod_labels
         # shared with the gauge sampler (EngineGaugeSampler), replaced whole, never mutated
         self.up = False
@@ -314,7 +317,7 @@ class EngineSampler(Sampler):
         if res.reason or res.status is None:
             result = failed(res.reason or "transport")
         else:
-            result = classify_response(res.status, res.content_type, res.body, self._wanted)
+            result = self._reparse.parse(res.status, res.content_type, res.body, self._wanted)
         self._parse_errors += result.error_count
         self._log_parse_errors(result)
 
@@ -496,10 +499,11 @@ class EngineGaugeSampler(Sampler):
     timeline and ``/metrics`` see queue and KV swings the 1 s scrape misses (issue 15). Each
     cycle it GETs the metrics path (a kept-alive connection, :class:`~.http.KeptAlive`),
     cuts out the lines of the gauge families the last full scrape found (their ``# HELP``,
-    ``# TYPE`` and sample lines, by string search: no other line is parsed), and parses and
-    normalizes them with the same mapping rows, so each series has the same name, labels
-    and value the full scrape would give. Models the full scrape did not admit (the
-    per-engine model cap) are left out.
+    ``# TYPE`` and sample lines, by a search of the undecoded bytes: no other line is
+    decoded or parsed), and parses (:class:`~.exposition.Reparse`: the same lines as last
+    time with new values are not parsed again) and normalizes them with the same mapping
+    rows, so each series has the same name, labels and value the full scrape would give.
+    Models the full scrape did not admit (the per-engine model cap) are left out.
 
     It emits nothing while the engine sampler has not yet seen the engine up, with its type
     known and the gauge families present (a down engine never reads as idle); a failed GET

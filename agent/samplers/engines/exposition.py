@@ -871,53 +871,81 @@ def _parse(body: str, wanted: frozenset[str] | None) -> FastParse:
     return out
 
 
-def _token_value(token: str) -> float | None:
-    """A sample line's value token as :func:`parse_text` reads it; ``None`` for NaN or odd."""
-    if len(token) > _MAX_VALUE_CHARS or not _NUMBER.fullmatch(token):
-        return None
+_NUM_NOT_NAN: Final = (
+    r"[+-]?(?:(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?"
+    r"|[iI][nN][fF](?:[iI][nN][iI][tT][yY])?)"
+)
+_NUMBERS: Final = re.compile(rf"(?:{_NUM_NOT_NAN}(?: {_NUM_NOT_NAN})*)?")
+"""Value tokens joined by spaces, each a number :func:`parse_text` reads, none NaN."""
+REPARSE_MAX_CHARS: Final = 8 * 1024 * 1024
+"""Bodies longer than this are parsed whole every time (a template holds the body's lines)."""
+
+
+def _numbers(tokens: list[str]) -> bool:
+    """True when every token is a value :func:`parse_text` reads as a number, none NaN."""
+    return (not tokens or max(map(len, tokens)) <= _MAX_VALUE_CHARS) and bool(
+        _NUMBERS.fullmatch(" ".join(tokens))
+    )
+
+
+def _value(token: str) -> float:
+    """A token :func:`_numbers` accepted, as :func:`parse_text` reads it."""
     value = float(token)
     if value == 0.0 and token.lstrip("+-").isdigit():
         return 0.0  # an integer literal: "-0" is 0, as the library reads it
-    return None if math.isnan(value) else value
+    return value
 
 
 class Reparse:
-    """Parses a small body that repeats the last one's lines with other values, cheaply.
+    """Parses a body that repeats the last one's lines with other values, without parsing.
 
-    For a reader that GETs the same few lines over and over (the 10 Hz gauge read,
-    :class:`~agent.samplers.engines.base.EngineGaugeSampler`): when every line of ``body``
-    equals the last body's up to the value token (the text after the line's last space),
-    the last parse's families are reused with the new values, and nothing else is parsed.
-    A body with any other change, a value that is NaN or outside the fast grammar, or a
-    parse this shortcut could not mirror (the library's, errors, exemplars, a timestamp,
-    a NaN sample dropped, CRLF line ends) goes through :func:`classify_response`.
-    The result is always equal to ``classify_response(status, content_type, body)``
-    (``tests/test_engines_gauges.py`` checks it on generated value changes).
+    An engine writes the same lines scrape after scrape, only the values change (a new
+    model, label value or family is the exception). When every line of ``body`` equals the
+    last cleanly parsed body's up to its value token (the text after the line's last
+    space), and every value token is a number (none NaN), the last parse's families are
+    reused with the new values: no label, name or comment is read again. Anything else (a
+    changed line, a NaN or oddly written value, CRLF line ends, a timestamp that moves, a
+    parse with errors, by the library or with exemplars, another ``Content-Type`` or
+    ``wanted``) is parsed by :func:`classify_response`, and a clean parse becomes the next
+    template. The result is always equal to ``classify_response(status, content_type, body,
+    wanted)`` (``tests/test_engines_gauges.py`` checks it on generated changes).
 
-    Holds one body's template (its lines less the values, and the families' names and
-    label sets): bounded by the body, replaced when another body parses cleanly.
+    Holds one template per instance (one per engine reader): the last body's lines less
+    their values, and its families' names and label sets; bodies over
+    :data:`REPARSE_MAX_CHARS` keep none. Not thread-safe: one per sampler.
     """
 
-    __slots__ = ("_families", "_key")
+    __slots__ = ("_families", "_key", "_skipped")
 
     def __init__(self) -> None:
-        self._key: tuple[str | None, list[str]] | None = None
-        # (family name, type, help, [(sample name, labels)]) in body order
-        self._families: list[tuple[str, str, str, list[tuple[str, Mapping[str, str]]]]] = []
+        self._key: tuple[str | None, frozenset[str] | None, list[str]] | None = None
+        # (family name, type, help, [(value token index, sample name, labels)]) in body order
+        self._families: list[tuple[str, str, str, list[tuple[int, str, Mapping[str, str]]]]] = []
+        self._skipped = (0, 0)
 
-    def parse(self, status: int, content_type: str | None, body: str) -> ParseResult:
-        """``classify_response(status, content_type, body)``, reusing the last parse's shape.
+    def parse(
+        self,
+        status: int,
+        content_type: str | None,
+        body: str,
+        wanted: frozenset[str] | None = None,
+    ) -> ParseResult:
+        """``classify_response(status, content_type, body, wanted)``, reusing the last shape.
 
         Args:
             status: the HTTP status code.
             content_type: the ``Content-Type`` header, or ``None``.
             body: the decoded body.
+            wanted: family names to keep (:func:`wanted_families`); ``None`` for all.
 
         Returns:
             A :class:`ParseResult` equal to :func:`classify_response`'s. Never raises.
         """
         if not 200 <= status < 300:
             return failed(f"http_{status}")
+        if len(body) > REPARSE_MAX_CHARS:
+            self._key = None
+            return classify_response(status, content_type, body, wanted)
         heads: list[str] = []
         tokens: list[str] = []
         for line in body.split("\n"):
@@ -927,51 +955,78 @@ class Reparse:
             head, _, token = line.rpartition(" ")
             heads.append(head)
             tokens.append(token)
-        key = (content_type, heads)
-        if key == self._key:
-            values = [_token_value(t) for t in tokens]
-            if None not in values:
-                result = ParseResult(format="text")
-                it = iter(values)
-                for fname, ftype, fhelp, samples in self._families:
-                    result.families.append(
-                        ParsedFamily(
-                            fname,
-                            ftype,
-                            fhelp,
-                            [ParsedSample(n, labels, next(it)) for n, labels in samples],  # type: ignore[arg-type]
-                        )
+        key = (content_type, wanted, heads)
+        if key == self._key and _numbers(tokens):
+            result = ParseResult(
+                format="text", skipped_families=self._skipped[0], skipped_samples=self._skipped[1]
+            )
+            for fname, ftype, fhelp, samples in self._families:
+                result.families.append(
+                    ParsedFamily(
+                        fname,
+                        ftype,
+                        fhelp,
+                        [ParsedSample(n, labels, _value(tokens[i])) for i, n, labels in samples],
                     )
-                return result
-        result = classify_response(status, content_type, body)
+                )
+            return result
+        result = classify_response(status, content_type, body, wanted)
         self._learn(key, tokens, result)
         return result
 
     def _learn(
-        self, key: tuple[str | None, list[str]], tokens: list[str], result: ParseResult
+        self,
+        key: tuple[str | None, frozenset[str] | None, list[str]],
+        tokens: list[str],
+        result: ParseResult,
     ) -> None:
-        """Keep ``result``'s shape when each of its samples is one value token, in order."""
+        """Keep ``result``'s shape when each value token is one kept or one skipped sample.
+
+        Each kept sample is matched, in body order, to the next sample line with its name
+        (or, for a counter the parser renamed, its name less ``_total``), its very label
+        set (the parser's shared :class:`LabelSet` for that label text) and its value; the
+        lines passed over must be exactly the skipped samples.
+        """
         if result.reason or result.format != "text" or result.error_count:
             return
-        if result.skipped_families or result.skipped_samples:
+        if not _numbers(tokens):
+            return  # a NaN (dropped) or odd value: which lines make samples is not fixed
+        heads = [h for h in key[2] if h and h[0] != "#"]
+        if len(heads) != len(tokens):
             return
-        it = iter(tokens)
+        j = 0
         families = []
         for f in result.families:
-            samples: list[tuple[str, Mapping[str, str]]] = []
+            samples: list[tuple[int, str, Mapping[str, str]]] = []
             for s in f.samples:
-                token = next(it, None)
-                value = None if token is None else _token_value(token)
-                if (
-                    value is None
-                    or s.exemplar is not None
-                    or value != s.value
-                    or math.copysign(1.0, value) != math.copysign(1.0, s.value)
-                ):
+                if s.exemplar is not None:
                     return
-                samples.append((s.name, s.labels))
+                while j < len(heads) and not _same_sample(heads[j], s):
+                    j += 1
+                if j == len(heads):
+                    return
+                value = _value(tokens[j])
+                if value != s.value or math.copysign(1.0, value) != math.copysign(1.0, s.value):
+                    return
+                samples.append((j, s.name, s.labels))
+                j += 1
             families.append((f.name, f.type, f.help, samples))
-        if next(it, None) is not None:
-            return  # a value token no sample came from (a NaN dropped, a comment)
+        kept = sum(len(f[3]) for f in families)
+        if kept + result.skipped_samples != len(tokens):
+            return
         self._key = key
         self._families = families
+        self._skipped = (result.skipped_families, result.skipped_samples)
+
+
+def _same_sample(head: str, sample: ParsedSample) -> bool:
+    """True when a sample line's ``head`` (the line less its value) wrote ``sample``."""
+    brace = head.find("{")
+    name = head if brace < 0 else head[:brace]
+    if name != sample.name and not (sample.name.endswith("_total") and name == sample.name[:-6]):
+        return False
+    if brace < 0:
+        return not sample.labels
+    if not head.endswith("}"):
+        return False
+    return _LABEL_PAIRS.get(head[brace + 1 : -1]) is sample.labels
