@@ -100,17 +100,20 @@ def make_app(
             :attr:`agent.listener.ConnectionCap.middleware`).
     """
     cache = ExpositionCache(registry, state)
+    # one header set per (format, gzip): at most a few, built on first use
+    response_headers: dict[tuple[str, bool], dict[str, str]] = {}
 
     async def metrics(request: web.Request) -> web.Response:
-        body, content_type, zipped = cache.get(
-            request.headers.get("Accept"), request.headers.get("Accept-Encoding")
-        )
-        resp = web.Response(body=body)
-        resp.headers["Content-Type"] = content_type
-        resp.headers["Vary"] = "Accept, Accept-Encoding"
-        if zipped:
-            resp.headers["Content-Encoding"] = "gzip"
-        return resp
+        asked = request.headers
+        body, content_type, zipped = cache.get(asked.get("Accept"), asked.get("Accept-Encoding"))
+        out = response_headers.get((content_type, zipped))
+        if out is None:
+            out = {"Content-Type": content_type, "Vary": "Accept, Accept-Encoding"}
+            if zipped:
+                out["Content-Encoding"] = "gzip"
+            if len(response_headers) < 64:  # content types are the library's few
+                response_headers[(content_type, zipped)] = out
+        return web.Response(body=body, headers=out)
 
     async def healthz(_: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "uptime_s": time.time() - state.started})

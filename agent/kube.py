@@ -170,6 +170,12 @@ class EnginePods:
         refresh_s: seconds between ``engine_pids()`` calls; an engine first asked for after
             the last call triggers one early call (not sooner than ``retry_s`` after it).
         retry_s: seconds between lookups of names not yet known, and the early-call floor.
+            Early calls asked for by :meth:`pids` with ``gone`` (an engine whose PIDs are
+            not known or exited) that find nothing new double the floor each time, up to
+            ``refresh_s``; an answer that changes sets it back to ``retry_s``. So an engine
+            that is never found (another PID namespace, no permission, a PID that serves
+            several engines' ports) costs one scan per ``refresh_s``, not one per
+            ``retry_s``, and a restarted engine is still found ``retry_s`` after it went.
         clock: monotonic clock (tests).
     """
 
@@ -193,6 +199,8 @@ class EnginePods:
         self._lock = threading.Lock()
         self._refreshed: float | None = None
         self._scanning = False
+        self._early_s = retry_s  # the floor of gone-asked early calls (see Args)
+        self._answer: dict[int, str] | None = None  # the last engine_pids() answer
         self._pending: set[str] = set()  # asked for, not yet in an engine_pids() answer
         self._settled: set[str] = set()  # considered by an engine_pids() answer
         self._pods: dict[str, tuple[int, PodRef | None]] = {}
@@ -249,10 +257,13 @@ class EnginePods:
         with self._lock:
             now = self._clock()
             due = self._refreshed is None or now - self._refreshed >= self._refresh_s
+            floor = self._early_s
             if engine not in self._settled and len(self._settled) < self.MAX_ENGINES:
                 self._pending.add(engine)  # no engine_pids() answer has considered it yet
-                early = True
-            if early and self._refreshed is not None and now - self._refreshed >= self._retry_s:
+                early, floor = True, self._retry_s
+            backoff = False
+            if early and self._refreshed is not None and now - self._refreshed >= floor:
+                backoff = not due and floor == self._early_s  # only a gone-asked early call
                 due = True
             scan = due and not self._scanning
             if scan:
@@ -271,6 +282,11 @@ class EnginePods:
                 if pids is None:
                     self.errors += 1
                 else:
+                    if pids != self._answer:
+                        self._early_s = self._retry_s
+                    elif backoff:
+                        self._early_s = min(self._refresh_s, 2 * self._early_s)
+                    self._answer = pids
                     self._apply(pids)
         return now
 

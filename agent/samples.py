@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Final, Literal
 
 if TYPE_CHECKING:
     from kvpressure.agent.catalogue import SampleName
@@ -31,6 +31,12 @@ def make_labels(labels: dict[str, str | None]) -> Labels:
         treats an empty label value as an absent label.
     """
     return tuple(sorted((k, str(v)) for k, v in labels.items() if v is not None and v != ""))
+
+
+_LABELS: dict[tuple[tuple[str, object], ...], Labels] = {}
+"""Keyword labels as given (name, value pairs in call order) -> :func:`make_labels` of them:
+a sampler adds the same label sets every cycle. Shared by every batch; bounded."""
+_LABELS_KEPT: Final = 16384
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,7 +101,17 @@ class Batch:
         v = float(value)
         if math.isnan(v) or math.isinf(v):
             return
-        self.samples.append(Sample(name, v, make_labels(labels)))
+        key = tuple(labels.items())
+        try:
+            got = _LABELS.get(key)
+        except TypeError:  # an unhashable value: sorted as given, not kept
+            got = make_labels(labels)
+        if got is None:
+            got = make_labels(labels)
+            if len(_LABELS) >= _LABELS_KEPT:
+                _LABELS.clear()  # bounded: churning label values are sorted again
+            _LABELS[key] = got
+        self.samples.append(Sample(name, v, got))
 
     def add_labelled(self, name: SampleName, value: float | int | None, labels: Labels, /) -> None:
         """:meth:`add` with labels already built by :func:`make_labels`.

@@ -42,7 +42,7 @@ class Ring:
         capacity: the most points kept.
     """
 
-    __slots__ = ("_n", "_next", "_ordered", "_ts", "_vs", "capacity")
+    __slots__ = ("_n", "_next", "_ordered", "_ts", "_vs", "capacity", "last_ts")
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
@@ -51,11 +51,14 @@ class Ring:
         self._next = 0
         self._n = 0
         self._ordered = True  # timestamps never went backwards: points() can bisect
+        self.last_ts = float("-inf")
+        """Timestamp of the newest point (Unix seconds); ``-inf`` while empty."""
 
     def append(self, ts: float, value: float) -> None:
         """Add a point; ``ts`` is Unix time in seconds and should not go backwards."""
-        if self._n and ts < self._ts[(self._next - 1) % len(self._ts)]:
+        if ts < self.last_ts:
             self._ordered = False  # a clock step back: points() scans (until reordered)
+        self.last_ts = ts
         if self._n < self.capacity:
             self._ts.append(ts)
             self._vs.append(value)
@@ -137,10 +140,14 @@ class Timeline:
         self.max_series = max_series
         self.forget_after_s = forget_after_s
         self.evict_after_s = evict_after_s
-        # Insertion order is the order of last writes: a write moves its series to the end,
-        # so the front holds the series written least recently.
         self._series: dict[SeriesKey, Ring] = {}
         self._by_name: dict[str, dict[Labels, Ring]] = {}  # the same rings, by metric name
+        # Series by the time they were last *filed* here, oldest first (insertion order).
+        # A write does not move its series (that was two dict operations and two hashes of
+        # the labels per sample); the ring knows its own last write (``Ring.last_ts``), and
+        # whoever reads the front for the least recently written series (forgetting,
+        # eviction) re-files, at the end, each front entry written since it was filed. So
+        # an entry moves at most once per reading, and only when a reader needs it.
         self._written: dict[SeriesKey, float] = {}
         self._lock = threading.Lock()
         self._last_sweep = float("-inf")
@@ -154,39 +161,51 @@ class Timeline:
             if ts - self._last_sweep >= min(60.0, self.forget_after_s):
                 self._last_sweep = ts
                 self.forgotten_series += self._forget(ts - self.forget_after_s)
-            written = self._written
+            series = self._series
             for s in samples:
                 key = (s.name, s.labels)
-                ring = self._series.get(key)
+                ring = series.get(key)
                 if ring is None:
-                    if len(self._series) >= self.max_series and not self._evict_one(ts):
+                    if len(series) >= self.max_series and not self._evict_one(ts):
                         self.dropped_samples += 1
                         continue
                     ring = Ring(self.points_per_series)
-                    self._series[key] = ring
+                    series[key] = ring
                     self._by_name.setdefault(s.name, {})[s.labels] = ring
-                else:
-                    del written[key]  # re-inserted below: now the most recently written
-                written[key] = ts
+                    self._written[key] = ts
                 ring.append(ts, s.value)
 
+    def _oldest(self) -> tuple[SeriesKey, float] | None:
+        """The series written least recently and its last write; ``None`` when empty.
+
+        Re-files at the end every front entry whose ring was written after it was filed,
+        until the front entry's filing time is its last write (every later entry was filed
+        no earlier, and written no earlier than filed).
+        """
+        written = self._written
+        while written:
+            key = next(iter(written))
+            last = self._series[key].last_ts
+            if last <= written[key]:
+                return key, written[key]
+            del written[key]
+            written[key] = last
+        return None
+
     def _evict_one(self, now: float) -> bool:
-        oldest = next(iter(self._written), None)
-        if oldest is None or now - self._written[oldest] < self.evict_after_s:
+        oldest = self._oldest()
+        if oldest is None or now - oldest[1] < self.evict_after_s:
             return False
-        del self._written[oldest]
-        self._drop(oldest)
+        del self._written[oldest[0]]
+        self._drop(oldest[0])
         self.evicted_series += 1
         return True
 
     def _forget(self, older_than: float) -> int:
         n = 0
-        written = self._written
-        for key in list(written):
-            if written[key] >= older_than:
-                break  # the rest were written later
-            del written[key]
-            self._drop(key)
+        while (oldest := self._oldest()) is not None and oldest[1] < older_than:
+            del self._written[oldest[0]]
+            self._drop(oldest[0])
             n += 1
         return n
 

@@ -16,10 +16,14 @@ Scenarios (each run as a separate ``kvpressure run`` process, ``--seconds`` long
 * ``node+poll``: the node with ``/metrics`` polled at 20 Hz with Prometheus' headers
   (OpenMetrics, gzip), the way llm-d's endpoint picker polls;
 * ``host+poll``: ``host`` with ``/metrics`` polled the same way (the default exposition:
-  what an agent serves before any GPU or engine is attached).
+  what an agent serves before any GPU or engine is attached);
+* ``host+poll-ka``, ``node+poll-ka``: the same polling over one kept-alive connection, as
+  Prometheus and Go's ``http.Client`` (llm-d's endpoint picker) scrape; ``+poll`` opens a
+  new connection per scrape (``urllib``), which adds the accept and teardown.
 
-Each ``+poll`` scenario's excess over its base scenario, divided by the 20 scrapes a
-second, is printed as the CPU of one scrape (render, gzip and the HTTP handling).
+Each ``+poll`` and ``+poll-ka`` scenario's excess over its base scenario, divided by the
+20 scrapes a second, is printed as the CPU of one scrape (render, gzip and the HTTP
+handling).
 
 The engines are served by one separate process (its CPU is not the agent's), over
 kept-alive HTTP/1.1 connections with ``TCP_NODELAY``, as vLLM's uvicorn serves them. The fake
@@ -33,13 +37,14 @@ RSS (``VmHWM``) and node_exporter's RSS. Run it under ``flock /tmp/kvpressure-cp
 a shared machine. Usage::
 
     flock /tmp/kvpressure-cpu.lock .venv/bin/python benchmarks/node_cost.py [--seconds 30]
-        [--scenarios host,host+poll,node,node-1s,node+16,node-1gpu,node+poll]
+        [--scenarios host,host+poll,host+poll-ka,node,node-1s,node+16,node-1gpu,node+poll]
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import http.client
 import shutil
 import socket
 import statistics
@@ -114,7 +119,7 @@ def get(url: str, headers: dict[str, str] | None = None) -> bytes:
 
 
 def scenario_config(name: str, port: int, engine_ports: list[int]) -> dict[str, object]:
-    host_only = name in ("host", "host+poll")
+    host_only = name.partition("+")[0] == "host"
     engines = 0 if host_only else 16 if name == "node+16" else 8
     cfg: dict[str, object] = {
         "listen": f"127.0.0.1:{port}",
@@ -168,17 +173,27 @@ def run(
                 with contextlib.suppress(OSError):
                     get(ne_url)
 
+        headers = {"Accept": PROM_ACCEPT, "Accept-Encoding": "gzip"}
+
         def poll() -> None:
             while not stop.wait(0.05):
                 with contextlib.suppress(OSError):
-                    get(
-                        f"http://127.0.0.1:{port}/metrics",
-                        {"Accept": PROM_ACCEPT, "Accept-Encoding": "gzip"},
-                    )
+                    get(f"http://127.0.0.1:{port}/metrics", headers)
+
+        def poll_kept_alive() -> None:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+            while not stop.wait(0.05):
+                try:
+                    conn.request("GET", "/metrics", headers=headers)
+                    conn.getresponse().read()
+                except (OSError, http.client.HTTPException):
+                    conn.close()  # reconnects on the next request
 
         threads = [threading.Thread(target=scrape_ne, daemon=True)]
         if name.endswith("+poll"):
             threads.append(threading.Thread(target=poll, daemon=True))
+        elif name.endswith("+poll-ka"):
+            threads.append(threading.Thread(target=poll_kept_alive, daemon=True))
         for t in threads:
             t.start()
         agent_pct: list[float] = []
@@ -241,10 +256,11 @@ def main() -> int:
     ap.add_argument(
         "--scenarios",
         default="host,host+poll,node,node-1s,node+16,node-1gpu,node+poll",
-        help="comma-separated, of: host, host+poll (host with /metrics polled at 20 Hz), "
+        help="comma-separated, of: host, host+poll (host with /metrics polled at 20 Hz, "
+        "a new connection each), host+poll-ka (the same, kept alive), "
         "node (8 fake GPUs, 8 vLLM engines, gauges at 0.1 s), node-1s (the same, every "
         "engine metric at 1 s), node+16 (16 engines), node-1gpu (one GPU), node+poll "
-        "(node with /metrics polled at 20 Hz); default: all",
+        "(node with /metrics polled at 20 Hz), node+poll-ka; default: all but the -ka ones",
     )
     args = ap.parse_args()
     exe = shutil.which("prometheus-node-exporter") or shutil.which("node_exporter")
@@ -306,12 +322,14 @@ def main() -> int:
             f" % of a core, {(n['agent_rss'] - o['agent_rss']) / 7:+.2f} MiB"
         )
     for base in ("host", "node"):
-        if base in rows and base + "+poll" in rows:
-            extra = rows[base + "+poll"]["agent_pct"] - rows[base]["agent_pct"]
+        for poll, how in (("+poll", "new connection each"), ("+poll-ka", "kept alive")):
+            if base not in rows or base + poll not in rows:
+                continue
+            extra = rows[base + poll]["agent_pct"] - rows[base]["agent_pct"]
             print(
-                f"/metrics polled at 20 Hz ({base}, {rows[base + '+poll']['lines']:.0f} lines): "
-                f"{extra:+.2f} % of a core = {extra / 100 / 20 * 1e3:.2f} ms CPU per scrape "
-                "(targets: 1 % of a core, 1 ms per scrape)"
+                f"/metrics polled at 20 Hz ({base}, {rows[base + poll]['lines']:.0f} lines, "
+                f"{how}): {extra:+.2f} % of a core = {extra / 100 / 20 * 1e3:.2f} ms CPU per "
+                "scrape (targets: 1 % of a core, 1 ms per scrape)"
             )
     print(f"host sampler cycle, in-process: {host_cycle_cost():.2f} ms (target <= 0.5 ms)")
     cycle = fake_nvml_cost()

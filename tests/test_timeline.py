@@ -132,3 +132,22 @@ def test_window_reads_only_the_series_of_its_name_and_forgets_with_them():
     assert tl.forget(3.0) == 1  # "a" x=2, last written at 2
     assert tl.window("a") == {}
     assert tl.window("b", match={"x": "1"}) == {(("x", "1"),): [(1.0, 2.0), (5.0, 5.0)]}
+
+
+def test_series_rewritten_after_others_is_neither_evicted_nor_forgotten_first():
+    """The least recently *written* series goes first, not the first one filed: a write
+    does not move its series in the timeline's order, so eviction and forgetting must
+    find the series written since they were filed and pass over them."""
+    t = Timeline(points_per_series=4, max_series=2, evict_after_s=5.0)
+    t.append(0.0, [Sample("a", 1.0)])
+    t.append(1.0, [Sample("b", 1.0)])
+    t.append(20.0, [Sample("a", 2.0)])  # a: filed first, written last
+    t.append(21.0, [Sample("c", 1.0)])  # at the cap: b (last written at 1) gives way
+    assert t.evicted_series == 1 and t.dropped_samples == 0
+    assert set(t.window("a")) == {()} and t.window("b") == {} and set(t.window("c")) == {()}
+    t.append(22.0, [Sample("d", 1.0)])  # a (20) and c (21): both written within 5 s
+    assert t.dropped_samples == 1 and t.window("d") == {}
+    t.append(40.0, [Sample("c", 2.0)])
+    assert t.forget(30.0) == 1  # a, last written at 20; c was written at 40
+    assert t.window("a") == {} and [p for p, _ in t.window("c")[()]] == [21.0, 40.0]
+    assert t.forget(41.0) == 1 and len(t) == 0

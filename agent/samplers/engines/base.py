@@ -1,7 +1,9 @@
 """The engine sampler: scrape an inference engine's metrics and normalize them.
 
 One :class:`EngineSampler` per configured engine endpoint. Each cycle it GETs the metrics
-path, classifies and parses the response (:mod:`~agent.samplers.engines.exposition`),
+path, classifies and parses the response (:mod:`~agent.samplers.engines.exposition`; a body
+whose lines equal the last one's up to their values takes the last parse's shape with the
+new values, :class:`~agent.samplers.engines.exposition.Reparse`),
 resolves the engine type (``auto``: from metric-name prefixes, kept once known), applies
 the type's mapping (:mod:`~agent.samplers.engines.normalize`) and runs the type's add-on
 (llama.cpp ``/slots``). Every cycle emits, whatever happened:
@@ -46,10 +48,17 @@ from kvpressure.agent.samplers.base import LogOnce, Sampler
 from kvpressure.agent.samplers.engines.exposition import (
     REASON_EMPTY,
     ParseResult,
+    Reparse,
     classify_response,
     failed,
 )
-from kvpressure.agent.samplers.engines.http import Fetch, HttpResult, KeptAlive, http_get
+from kvpressure.agent.samplers.engines.http import (
+    Fetch,
+    HttpResult,
+    KeptAlive,
+    ascii_compatible,
+    http_get,
+)
 from kvpressure.agent.samplers.engines.normalize import (
     MERGE_DUPLICATE,
     MERGE_PER_PROCESS,
@@ -230,6 +239,7 @@ class EngineSampler(Sampler):
         self._failing = ""
         self._stale = StaleTracker()
         self._wanted: frozenset[str] | None = None
+        self._reparse = Reparse()  # a body with the last one's lines is not parsed again
         self._pod_labels = pod_labels
         # shared with the gauge sampler (EngineGaugeSampler), replaced whole, never mutated
         self.up = False
@@ -307,7 +317,7 @@ class EngineSampler(Sampler):
         if res.reason or res.status is None:
             result = failed(res.reason or "transport")
         else:
-            result = classify_response(res.status, res.content_type, res.body, self._wanted)
+            result = self._reparse.parse(res.status, res.content_type, res.body, self._wanted)
         self._parse_errors += result.error_count
         self._log_parse_errors(result)
 
@@ -489,10 +499,11 @@ class EngineGaugeSampler(Sampler):
     timeline and ``/metrics`` see queue and KV swings the 1 s scrape misses (issue 15). Each
     cycle it GETs the metrics path (a kept-alive connection, :class:`~.http.KeptAlive`),
     cuts out the lines of the gauge families the last full scrape found (their ``# HELP``,
-    ``# TYPE`` and sample lines, by string search: no other line is parsed), and parses and
-    normalizes them with the same mapping rows, so each series has the same name, labels
-    and value the full scrape would give. Models the full scrape did not admit (the
-    per-engine model cap) are left out.
+    ``# TYPE`` and sample lines, by a search of the undecoded bytes: no other line is
+    decoded or parsed), and parses (:class:`~.exposition.Reparse`: the same lines as last
+    time with new values are not parsed again) and normalizes them with the same mapping
+    rows, so each series has the same name, labels and value the full scrape would give.
+    Models the full scrape did not admit (the per-engine model cap) are left out.
 
     It emits nothing while the engine sampler has not yet seen the engine up, with its type
     known and the gauge families present (a down engine never reads as idle); a failed GET
@@ -518,6 +529,7 @@ class EngineGaugeSampler(Sampler):
         self._type: str | None = None
         self._normalizer: Normalizer | None = None
         self._wanted: tuple[str, ...] = ()
+        self._reparse = Reparse()
 
     def close(self) -> None:
         """Close the HTTP client and the kept connection; the engine sampler reads all again."""
@@ -538,7 +550,11 @@ class EngineGaugeSampler(Sampler):
             return
         mapping = ENGINE_TYPES[self._type or ""]
         deadline = time.monotonic() + 0.9 * self.timeout_s
-        res = self._raw.get(mapping.metrics_path, deadline) if self._raw is not None else None
+        res = (
+            self._raw.get(mapping.metrics_path, deadline, decode=False)
+            if self._raw is not None
+            else None
+        )
         if res is None:
             left = deadline - time.monotonic()
             res = (
@@ -550,7 +566,12 @@ class EngineGaugeSampler(Sampler):
             batch.source_error("metrics", res.reason or f"http_{res.status}")
             eng.gauge_keys = (frozenset(), 0.0)
             return
-        result = classify_response(res.status, res.content_type, gauge_lines(res.body, names))
+        text = (
+            gauge_lines(res.body, names)
+            if res.raw is None
+            else gauge_lines_raw(res.raw, names, res.content_type)
+        )
+        result = self._reparse.parse(res.status, res.content_type, text)
         scrape = self._normalizer.normalize(result, eng.default_model)
         admitted = set(eng._models)
         for s in scrape.samples:
@@ -607,3 +628,42 @@ def gauge_lines(body: str, names: Iterable[str]) -> str:
             i = body.find(name, i + size)
     found.sort()
     return "".join(line + "\n" for _, line in found)
+
+
+_LINE_ENDS: Final = (b"", b" ", b"\t", b"{", b"\r", b"\n")
+_HEADS: Final = (b"# HELP ", b"# TYPE ")
+
+
+def gauge_lines_raw(raw: bytes, names: Iterable[str], content_type: str | None) -> str:
+    """:func:`gauge_lines` of an undecoded body: only the lines found are decoded.
+
+    Args:
+        raw: the body's bytes.
+        names: family (and sample) names, ASCII.
+        content_type: the response's ``Content-Type`` (its charset).
+
+    Returns:
+        ``gauge_lines(body, names)`` of the body decoded as :func:`~.http.http_get` decodes
+        it. For a UTF-8 (or ASCII, or unstated) charset the names are searched in the bytes
+        and each line found decoded alone (equal, since a newline never falls inside a
+        UTF-8 sequence); any other charset decodes the whole body first.
+    """
+    if not ascii_compatible(content_type):
+        return gauge_lines(HttpResult(200, content_type, "", raw=raw).text(), names)
+    found: list[tuple[int, bytes]] = []
+    for text in names:
+        name = text.encode("ascii")
+        size = len(name)
+        i = raw.find(name)
+        while i >= 0:
+            if raw[i + size : i + size + 1] in _LINE_ENDS:
+                start = raw.rfind(b"\n", 0, i) + 1
+                if i == start or raw[start:i] in _HEADS:
+                    end = raw.find(b"\n", i)
+                    found.append((start, raw[start : end if end >= 0 else len(raw)]))
+            i = raw.find(name, i + size)
+    if not found:
+        return ""
+    found.sort()
+    lines = b"\n".join(line for _, line in found)
+    return HttpResult(200, content_type, "", raw=lines).text() + "\n"

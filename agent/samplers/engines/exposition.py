@@ -869,3 +869,186 @@ def _parse(body: str, wanted: frozenset[str] | None) -> FastParse:
     if name:
         emit(name, doc, typ, samples, keep)
     return out
+
+
+_NUM_NOT_NAN: Final = (
+    r"[+-]?(?:(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?"
+    r"|[iI][nN][fF](?:[iI][nN][iI][tT][yY])?)"
+)
+_NUMBERS: Final = re.compile(rf"(?:{_NUM_NOT_NAN}(?: {_NUM_NOT_NAN})*)?")
+"""Value tokens joined by spaces, each a number :func:`parse_text` reads, none NaN."""
+REPARSE_MAX_CHARS: Final = 8 * 1024 * 1024
+"""Bodies longer than this are parsed whole every time (a template holds the body's lines)."""
+
+
+def _numbers(tokens: list[str]) -> bool:
+    """True when every token is a value :func:`parse_text` reads as a number, none NaN."""
+    return (not tokens or max(map(len, tokens)) <= _MAX_VALUE_CHARS) and bool(
+        _NUMBERS.fullmatch(" ".join(tokens))
+    )
+
+
+def _value(token: str) -> float:
+    """A token :func:`_numbers` accepted, as :func:`parse_text` reads it."""
+    value = float(token)
+    if value == 0.0 and token.lstrip("+-").isdigit():
+        return 0.0  # an integer literal: "-0" is 0, as the library reads it
+    return value
+
+
+class Reparse:
+    """Parses a body that repeats the last one's lines with other values, without parsing.
+
+    An engine writes the same lines scrape after scrape, only the values change (a new
+    model, label value or family is the exception). When every line of ``body`` equals the
+    last cleanly parsed body's up to its value token (the text after the line's last
+    space), and every value token is a number (none NaN), the last parse's families are
+    reused with the new values: no label, name or comment is read again. Anything else (a
+    changed line, a NaN or oddly written value, CRLF line ends, a timestamp that moves, a
+    parse with errors, by the library or with exemplars, another ``Content-Type`` or
+    ``wanted``) is parsed by :func:`classify_response`, and a clean parse becomes the next
+    template. The result is always equal to ``classify_response(status, content_type, body,
+    wanted)`` (``tests/test_engines_gauges.py`` checks it on generated changes).
+
+    Holds one template per instance (one per engine reader): the last body's lines less
+    their values, and its families' names and label sets; bodies over
+    :data:`REPARSE_MAX_CHARS` keep none. Not thread-safe: one per sampler.
+    """
+
+    __slots__ = ("_families", "_key", "_misses", "_probe", "_skipped", "_tries")
+
+    MISSES: Final = 4
+    """After this many bodies in a row that did not fit the last shape, only every
+    :data:`RETRY`-th body is compared, and the one after it when that one taught a new
+    shape (a body whose lines change every scrape, e.g. a churning label value, pays the
+    comparison and the learning rarely; lines that hold still again are reused within
+    ``RETRY + 1`` bodies)."""
+    RETRY: Final = 16
+
+    def __init__(self) -> None:
+        self._key: tuple[str | None, frozenset[str] | None, list[str]] | None = None
+        self._misses = 0
+        self._tries = 0
+        self._probe = False
+        # (family name, type, help, [(value token index, sample name, labels)]) in body order
+        self._families: list[tuple[str, str, str, list[tuple[int, str, Mapping[str, str]]]]] = []
+        self._skipped = (0, 0)
+
+    def parse(
+        self,
+        status: int,
+        content_type: str | None,
+        body: str,
+        wanted: frozenset[str] | None = None,
+    ) -> ParseResult:
+        """``classify_response(status, content_type, body, wanted)``, reusing the last shape.
+
+        Args:
+            status: the HTTP status code.
+            content_type: the ``Content-Type`` header, or ``None``.
+            body: the decoded body.
+            wanted: family names to keep (:func:`wanted_families`); ``None`` for all.
+
+        Returns:
+            A :class:`ParseResult` equal to :func:`classify_response`'s. Never raises.
+        """
+        if not 200 <= status < 300:
+            return failed(f"http_{status}")
+        if len(body) > REPARSE_MAX_CHARS:
+            self._key = None
+            return classify_response(status, content_type, body, wanted)
+        probe, self._probe = self._probe, False
+        if self._misses >= self.MISSES and not probe:
+            self._tries += 1
+            if self._tries % self.RETRY:
+                return classify_response(status, content_type, body, wanted)
+        heads: list[str] = []
+        tokens: list[str] = []
+        for line in body.split("\n"):
+            if not line or line[0] == "#":
+                heads.append(line)
+                continue
+            head, _, token = line.rpartition(" ")
+            heads.append(head)
+            tokens.append(token)
+        key = (content_type, wanted, heads)
+        if key == self._key and _numbers(tokens):
+            result = ParseResult(
+                format="text", skipped_families=self._skipped[0], skipped_samples=self._skipped[1]
+            )
+            for fname, ftype, fhelp, samples in self._families:
+                result.families.append(
+                    ParsedFamily(
+                        fname,
+                        ftype,
+                        fhelp,
+                        [ParsedSample(n, labels, _value(tokens[i])) for i, n, labels in samples],
+                    )
+                )
+            self._misses = 0
+            return result
+        self._misses += 1
+        result = classify_response(status, content_type, body, wanted)
+        if self._learn(key, tokens, result) and self._misses > self.MISSES and not probe:
+            self._probe = True  # a periodic try learnt a shape: see whether it holds
+        return result
+
+    def _learn(
+        self,
+        key: tuple[str | None, frozenset[str] | None, list[str]],
+        tokens: list[str],
+        result: ParseResult,
+    ) -> bool:
+        """Keep ``result``'s shape when each value token is one kept or one skipped sample.
+
+        Returns True when it was kept.
+
+        Each kept sample is matched, in body order, to the next sample line with its name
+        (or, for a counter the parser renamed, its name less ``_total``), its very label
+        set (the parser's shared :class:`LabelSet` for that label text) and its value; the
+        lines passed over must be exactly the skipped samples.
+        """
+        if result.reason or result.format != "text" or result.error_count:
+            return False
+        if not _numbers(tokens):
+            return False  # a NaN (dropped) or odd value: which lines make samples is not fixed
+        heads = [h for h in key[2] if h and h[0] != "#"]
+        if len(heads) != len(tokens):
+            return False
+        j = 0
+        families = []
+        for f in result.families:
+            samples: list[tuple[int, str, Mapping[str, str]]] = []
+            for s in f.samples:
+                if s.exemplar is not None:
+                    return False
+                while j < len(heads) and not _same_sample(heads[j], s):
+                    j += 1
+                if j == len(heads):
+                    return False
+                value = _value(tokens[j])
+                if value != s.value or math.copysign(1.0, value) != math.copysign(1.0, s.value):
+                    return False
+                samples.append((j, s.name, s.labels))
+                j += 1
+            families.append((f.name, f.type, f.help, samples))
+        kept = sum(len(f[3]) for f in families)
+        if kept + result.skipped_samples != len(tokens):
+            return False
+        self._key = key
+        self._families = families
+        self._skipped = (result.skipped_families, result.skipped_samples)
+        return True
+
+
+def _same_sample(head: str, sample: ParsedSample) -> bool:
+    """True when a sample line's ``head`` (the line less its value) wrote ``sample``."""
+    brace = head.find("{")
+    name = head if brace < 0 else head[:brace]
+    if name != sample.name and not (sample.name.endswith("_total") and name == sample.name[:-6]):
+        return False
+    if brace < 0:
+        return not sample.labels
+    if not head.endswith("}"):
+        return False
+    return _LABEL_PAIRS.get(head[brace + 1 : -1]) is sample.labels

@@ -42,12 +42,19 @@ class HttpResult:
         reason: ``""`` when a response arrived (whatever its status); otherwise
             ``"connect"`` (refused, DNS, unreachable), ``"timeout"``, ``"too_large"``,
             ``"bad_url"`` or ``"transport"`` (any other transport failure).
+        raw: the undecoded body, only from :meth:`KeptAlive.get` with ``decode=False``
+            (``body`` is ``""`` then); ``None`` otherwise.
     """
 
     status: int | None
     content_type: str | None
     body: str
     reason: str = ""
+    raw: bytes | None = None
+
+    def text(self) -> str:
+        """The decoded body: ``body``, or ``raw`` decoded as :func:`http_get` would."""
+        return self.body if self.raw is None else _decode(self.raw, self.content_type)
 
     @property
     def ok(self) -> bool:
@@ -226,8 +233,17 @@ class KeptAlive:
             with contextlib.suppress(OSError):
                 sock.close()
 
-    def get(self, path: str, deadline: float, max_bytes: int = MAX_BODY_BYTES) -> HttpResult | None:
+    def get(
+        self, path: str, deadline: float, max_bytes: int = MAX_BODY_BYTES, decode: bool = True
+    ) -> HttpResult | None:
         """GET ``path`` by ``deadline`` (``time.monotonic()`` seconds); never raises.
+
+        Args:
+            path: the request path, ASCII.
+            deadline: ``time.monotonic()`` seconds by which the whole GET is done.
+            max_bytes: bodies beyond this many bytes are not read (``too_large``).
+            decode: False leaves the body undecoded in :attr:`HttpResult.raw` (a reader
+                that needs a few lines of it decodes only those).
 
         Returns:
             An :class:`HttpResult` as :func:`http_get` returns it (reasons ``connect``,
@@ -240,12 +256,12 @@ class KeptAlive:
         reused = self._sock is not None
         try:
             try:
-                return self._exchange(request, deadline, max_bytes)
+                return self._exchange(request, deadline, max_bytes, decode)
             except _Stale:
                 self.close()
                 if not reused:
                     return HttpResult(None, None, "", "transport")
-                return self._exchange(request, deadline, max_bytes)
+                return self._exchange(request, deadline, max_bytes, decode)
         except _Stale:
             self.close()
             return HttpResult(None, None, "", "transport")
@@ -267,7 +283,9 @@ class KeptAlive:
 
     # -- one exchange ----------------------------------------------------------------------
 
-    def _exchange(self, request: bytes, deadline: float, max_bytes: int) -> HttpResult:
+    def _exchange(
+        self, request: bytes, deadline: float, max_bytes: int, decode: bool = True
+    ) -> HttpResult:
         sock = self._sock
         if sock is None:
             left = _left(deadline)
@@ -325,13 +343,19 @@ class KeptAlive:
             if length > max_bytes:
                 raise _TooLarge(status, ctype)
             self._fill_size(length, deadline)
-            raw = bytes(self._buf[:length])
-            del self._buf[:length]
+            if len(self._buf) == length:  # the usual case: the buffer holds just this body
+                raw = bytes(self._buf)
+                self._buf.clear()
+            else:
+                raw = bytes(self._buf[:length])
+                del self._buf[:length]
         else:
             raw = self._to_close(deadline, max_bytes, status, ctype)
             keep = False
         if not keep:
             self.close()
+        if not decode:
+            return HttpResult(status, ctype, "", raw=raw)
         return HttpResult(status, ctype, _decode(raw, ctype))
 
     def _recv(self, deadline: float) -> bytes:
@@ -437,6 +461,22 @@ def _decode(raw: bytes, content_type: str | None) -> str:
         return raw.decode(encoding or "utf-8", errors="replace")
     except LookupError:  # unknown charset name in the header
         return raw.decode("utf-8", errors="replace")
+
+
+def ascii_compatible(content_type: str | None) -> bool:
+    """True when a body of this ``Content-Type`` decodes as UTF-8 (no charset, or UTF-8/ASCII).
+
+    Its ASCII bytes (metric names, ``#``, newlines) are then those characters, so lines can
+    be found in the undecoded bytes and only those lines decoded.
+    """
+    if content_type is None:
+        return True
+    charset = _charset(content_type)
+    return charset is None or charset.lower().replace("-", "").replace("_", "") in (
+        "utf8",
+        "usascii",
+        "ascii",
+    )
 
 
 @functools.lru_cache(maxsize=64)
