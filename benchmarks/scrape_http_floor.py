@@ -34,10 +34,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-PROM_ACCEPT = (
-    "application/openmetrics-text;version=1.0.0,application/openmetrics-text;"
-    "version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1"
-)
+from node_cost import PROM_ACCEPT  # noqa: E402  (Prometheus' own Accept header)
+
 HEADERS = {"Accept": PROM_ACCEPT, "Accept-Encoding": "gzip"}
 SERVERS = ("asyncio", "aiohttp-lowlevel", "agent")
 OM = "application/openmetrics-text; version=1.0.0; charset=utf-8"
