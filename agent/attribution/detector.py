@@ -297,6 +297,11 @@ def theil_sen(points: list[tuple[float, float]], proportional: bool = False) -> 
     return intercept, slope
 
 
+def _g(value: float | None) -> str:
+    """``value`` in 4 significant digits for the debug log, ``-`` when unknown (an SLO)."""
+    return "-" if value is None else f"{value:.4g}"
+
+
 def _overlaps(intervals: Sequence[tuple[float, float]], a: float, b: float) -> bool:
     """True when ``[a, b]`` overlaps one of ``intervals`` (sorted, disjoint): one bisection."""
     i = bisect.bisect_left(intervals, (b,)) - 1
@@ -383,9 +388,10 @@ class CostModel:
     Args:
         size: points kept (``N``); the line is fitted through the latest
             :data:`FIT_POINTS`, the ratios are over all of them.
-        proportional: the size is a token count, so a cost seen only at one size scales
-            with the size (see :func:`theil_sen`); not for batch sizes, where that would
-            excuse any decode slowdown under load.
+        proportional: the size is a token count: the cost is the Theil-Sen line, which
+            scales with the size when only one size was seen (see :func:`theil_sen`). Else
+            the size is a batch size: the curve of binned medians, never extrapolated
+            (:func:`binned_medians`; scaling would excuse any decode slowdown under load).
     """
 
     __slots__ = ("_fit", "_since_fit", "points", "proportional")
@@ -817,8 +823,8 @@ class SlowDetector:
                 r.engine, r.start, r.end, r.input_tokens, r.output_tokens,
                 "; ".join(
                     f"{p.phase} {p.value_s:.4g} {'>' if p.value_s > p.threshold_s else '<='}"
-                    f" {p.threshold_s:.4g} ({p.basis}, expected {p.expected_s or 0:.4g},"
-                    f" size {p.size or 0:.4g})"
+                    f" {p.threshold_s:.4g} ({p.basis}, expected {_g(p.expected_s)},"
+                    f" size {_g(p.size)})"
                     for p in judged
                 ),
             )  # fmt: skip
