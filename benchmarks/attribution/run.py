@@ -227,7 +227,7 @@ class Bench:
         faults.evict_file(self.model)
         logf = (self.work / "llama-server.log").open("ab")
         self.llama = subprocess.Popen(
-            faults.join_argv(joins, argv),
+            es.die_with_parent(faults.join_argv(joins, argv)),
             stdout=logf,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -263,7 +263,7 @@ class Bench:
         path.write_text(yaml.safe_dump(cfg, sort_keys=False))
         err = (self.work / "kvpressure.agent.log").open("ab")
         self.agent = subprocess.Popen(
-            es.agent_argv(path),
+            es.die_with_parent(es.agent_argv(path)),
             cwd=ROOT,
             stdout=err,
             stderr=err,
@@ -726,4 +726,5 @@ def emit(
 
 
 if __name__ == "__main__":
+    es.exit_on_sigterm()  # a run stopped by timeout still stops its servers and faults
     sys.exit(main())

@@ -336,7 +336,7 @@ class Bench:
         logf = self.work / "vllm.log"
         with logf.open("wb") as out:
             self.vllm = subprocess.Popen(
-                argv,
+                bench.es.die_with_parent(argv),
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
@@ -365,7 +365,7 @@ class Bench:
         logf = self.work / "kvpressure.agent.log"
         with logf.open("wb") as out:
             self.agent = subprocess.Popen(
-                argv,
+                bench.es.die_with_parent(argv),
                 cwd=ROOT,
                 stdout=out,
                 stderr=subprocess.STDOUT,
@@ -689,3 +689,4 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+    bench.es.exit_on_sigterm()  # a run stopped by timeout still stops its servers and faults

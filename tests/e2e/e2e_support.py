@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -106,6 +107,38 @@ def wait_http_ok(
             last = type(e).__name__
         time.sleep(every_s)
     raise TimeoutError(f"{url} not ready after {timeout_s} s (last: {last})")
+
+
+SETPRIV = shutil.which("setpriv")
+"""util-linux's ``setpriv`` (essential on Debian), or ``None``."""
+
+
+def die_with_parent(argv: list[str]) -> list[str]:
+    """``argv`` run so that it gets SIGKILL when the process that starts it exits.
+
+    Prefixes ``setpriv --pdeathsig KILL --`` (``prctl(PR_SET_PDEATHSIG)``, which survives the
+    ``exec`` of anything but a set-user-ID program; the PID stays the server's). Without it
+    a run killed by ``timeout`` or SIGKILL, whose cleanup never ran, left its llama-server,
+    vLLM or agent (each in its own session) idle for hours, holding ports, memory and a
+    share of the CPU that later runs measured. ``argv`` unchanged where there is no
+    ``setpriv``. Linux sends the signal when the starting *thread* exits: start servers from
+    the main thread. (Not a ``preexec_fn``: that is unsafe in a process with threads.)
+    """
+    return [SETPRIV, "--pdeathsig", "KILL", "--", *argv] if SETPRIV else list(argv)
+
+
+def exit_on_sigterm() -> None:
+    """Make SIGTERM (``timeout``'s default, systemd's stop) raise ``SystemExit(143)``.
+
+    Python's default action for SIGTERM ends the process without running ``finally`` or
+    ``atexit``, so a benchmark stopped that way never stopped its servers or its fault
+    injectors. Call it once, from the main thread.
+    """
+
+    def _raise(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, _raise)
 
 
 def stop_process(
@@ -211,7 +244,7 @@ class LlamaServer:
                 f.write(f"\n=== start #{self.starts}: {' '.join(self.argv())}\n".encode())
                 f.flush()
                 self.proc = subprocess.Popen(
-                    self.argv(),
+                    die_with_parent(self.argv()),
                     stdin=subprocess.DEVNULL,
                     stdout=f,
                     stderr=subprocess.STDOUT,
