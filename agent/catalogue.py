@@ -874,6 +874,27 @@ _ALL: tuple[Metric, ...] = (
         "engine",
     ),
     _m(
+        "kvpressure_engine_finished_requests_total",
+        "counter",
+        "1",
+        "Requests the engine finished, any reason, counted with their preemptions (vLLM "
+        "request_num_preemptions_count).",
+        ENGINE_LABELS,
+        "",
+        "engine",
+    ),
+    _m(
+        "kvpressure_engine_finished_requests_preemptions_total",
+        "counter",
+        "1",
+        "Preemptions of the finished requests, added when each finishes (vLLM "
+        "request_num_preemptions_sum); with kvpressure_engine_finished_requests_total it says "
+        "how often the one request that finished between two scrapes was preempted.",
+        ENGINE_LABELS,
+        "",
+        "engine",
+    ),
+    _m(
         "kvpressure_engine_prefix_cache_queried_tokens_total",
         "counter",
         "tokens",
@@ -1629,6 +1650,10 @@ ENGINE_SLOTS: Final = "kvpressure_engine_slots"
 ENGINE_REQUESTS_RUNNING: Final = "kvpressure_engine_requests_running"
 ENGINE_REQUESTS_WAITING: Final = "kvpressure_engine_requests_waiting"
 ENGINE_PREEMPTIONS_TOTAL: Final = "kvpressure_engine_preemptions_total"
+ENGINE_FINISHED_REQUESTS_TOTAL: Final = "kvpressure_engine_finished_requests_total"
+ENGINE_FINISHED_REQUESTS_PREEMPTIONS_TOTAL: Final = (
+    "kvpressure_engine_finished_requests_preemptions_total"
+)
 ENGINE_PREFIX_CACHE_QUERIED_TOKENS_TOTAL: Final = (
     "kvpressure_engine_prefix_cache_queried_tokens_total"
 )
@@ -1782,6 +1807,8 @@ SampleName = Literal[
     "kvpressure_engine_requests_running",
     "kvpressure_engine_requests_waiting",
     "kvpressure_engine_preemptions_total",
+    "kvpressure_engine_finished_requests_total",
+    "kvpressure_engine_finished_requests_preemptions_total",
     "kvpressure_engine_prefix_cache_queried_tokens_total",
     "kvpressure_engine_prefix_cache_hit_tokens_total",
     "kvpressure_engine_prompt_tokens_total",

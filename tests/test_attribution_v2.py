@@ -171,6 +171,96 @@ def test_the_sampler_tells_the_detector_when_the_engine_preempted():
     assert detector.baseline_size(ENG, "tpot") == 1
 
 
+def _calm_then_first_wave(own: int | None) -> Verdict | None:
+    """Calm 16-token decodes at 10 ms per token, +-15 %; then a 1,800-token decode at 11.2
+    ms per token (on the KV-starved vLLM, a first-wave request that lost 45 % of its decode
+    to the wait for blocks, whose unslowed cost, 6 ms, the short decodes overstate)."""
+    d = SlowDetector()
+    for i in range(60):
+        v = d.judge(span(i, 0.01, 15 * 0.010 * (0.85 + 0.01 * (i % 31)), out=16), batch=2)
+        assert v is not None and not v.slow
+    return d.judge(span(100, 0.01, 1799 * 0.0112, out=1800), batch=6, own_preemptions=own)
+
+
+def test_a_request_the_engine_preempted_is_judged_without_the_safety_factor():
+    v = _calm_then_first_wave(own=2)
+    assert v is not None and v.slow and v.phase == "tpot"
+    assert v.threshold_s < 0.0112
+    # the same decode, known not preempted or unknown: within 1.5x the fit, not slow
+    for own in (0, None):
+        v = _calm_then_first_wave(own=own)
+        assert v is not None and not v.slow
+
+
+def test_a_preempted_request_still_needs_a_decode_above_the_noise():
+    d = SlowDetector()
+    for i in range(60):
+        d.judge(span(i, 0.01, 15 * 0.010 * (0.85 + 0.01 * (i % 31)), out=16), batch=2)
+    # preempted once, but its decode at the usual cost: the preemption cost it nothing
+    v = d.judge(span(100, 0.01, 1799 * 0.0100, out=1800), batch=2, own_preemptions=1)
+    assert v is not None and not v.slow
+    # its TTFT is judged as any other's: the factor is dropped for the decode phases only
+    v = d.judge(span(110, 0.012, 15 * 0.010, out=16), batch=2, own_preemptions=3)
+    assert v is not None and not v.slow
+
+
+def _finished_timeline(
+    finished: list[float], preemptions: list[float], instances: int = 1
+) -> Timeline:
+    """The engine's finished-request counters sampled at T+0, T+1, ... (vLLM's
+    ``request_num_preemptions`` count and sum, normalized), on ``instances`` instances
+    that each see the same values."""
+    timeline = Timeline(4096, 1000)
+    for k, (c, p) in enumerate(zip(finished, preemptions, strict=True)):
+        b = Batch()
+        for n in range(instances):
+            inst = f"i{n}:1"
+            b.add("kvpressure_engine_finished_requests_total", c, engine=ENG, instance=inst)
+            b.add("kvpressure_engine_finished_requests_preemptions_total", p, engine=ENG,
+                  instance=inst)  # fmt: skip
+        b.add("kvpressure_engine_requests_running", 1, engine=ENG, instance="i0:1")
+        timeline.append(T + k, b.samples)
+    return timeline
+
+
+def _own_preemptions(timeline: Timeline, records: list[RequestRecord]) -> list[int | None]:
+    sampler = AttributionSampler(
+        RequestStream(), timeline, AttributionStore(), SlowDetector(), Attributor(Params()),
+        settle_s=1.0, clock=lambda: T + 45,
+    )  # fmt: skip
+    pool = sorted(records, key=lambda r: r.end)
+    return sampler._own_preemptions(pool, pool, T + 45)
+
+
+def test_the_sampler_reads_each_finished_requests_own_preemptions():
+    # one request finished between T+4 and T+5 (preempted 3 times), one between T+7 and
+    # T+8 (never), two between T+10 and T+11 (3 preemptions between them: whose?), one
+    # between T+13 and T+14 that the agent has no record of beside the known one
+    c = [0, 0, 0, 0, 0, 1, 1, 1, 2, 2, 2, 4, 4, 4, 6, 6, 6, 6, 6, 6]
+    p = [0, 0, 0, 0, 0, 3, 3, 3, 3, 3, 3, 6, 6, 6, 7, 7, 7, 7, 7, 7]
+    recs = [
+        span(1.0, 0.05, 3.45 - 0.05),  # ends T+4.45
+        span(2.0, 0.05, 5.5 - 0.05),  # ends T+7.5
+        span(6.0, 0.05, 4.3 - 0.05),  # ends T+10.3
+        span(6.5, 0.05, 4.2 - 0.05),  # ends T+10.7
+        span(9.0, 0.05, 4.5 - 0.05),  # ends T+13.5 (the other request that finished is unseen)
+        span(12.0, 0.05, 3.02 - 0.05),  # ends T+15.02: too close to the sample at T+15
+        span(16.0, 0.05, 3.5 - 0.05),  # ends T+19.5: no sample after it yet
+    ]
+    assert _own_preemptions(_finished_timeline(c, p), recs) == [3, 0, None, None, None, None, None]
+    # two instances of the engine: their counters are summed, 2 finished: unknown
+    assert _own_preemptions(_finished_timeline(c, p, 2), recs[:2]) == [None, 0]
+
+
+def test_an_engine_without_per_request_preemptions_leaves_them_unknown():
+    timeline = Timeline(4096, 1000)
+    for k in range(10):
+        b = Batch()
+        b.add("kvpressure_engine_preemptions_total", float(k), engine=ENG, instance="a:1")
+        timeline.append(T + k, b.samples)
+    assert _own_preemptions(timeline, [span(1.0, 0.05, 3.4)]) == [None]
+
+
 def test_a_batch_slope_is_not_extrapolated_past_the_batches_seen():
     # calm on a CPU engine: 3 ms per token alone, 7 ms beside another request (a slope as
     # steep as the cost itself); at batch 8 its unslowed decodes cost 7.5 ms, not 4x that
@@ -525,7 +615,7 @@ def test_debug_logging_shows_every_phase_of_every_verdict(caplog):
         for i in range(31):
             d.judge(span(i, 0.06, 63 * 0.02), batch=2)
         line = caplog.records[-1].getMessage()
-        assert "(in 100, out 64)" in line
+        assert "(in 100, out 64, preempted ?)" in line
         for phase in ("queue", "prefill", "ttft", "tpot"):
             assert f"{phase} " in line
         assert "tpot 0.02 <= " in line and "(baseline, expected 0.02" in line

@@ -67,6 +67,18 @@ is fitted through the latest 96, the ratio quantile is over all), ``min_requests
 per token; 0.02 for the longest gap), ``slo_ttft_s = 2.0``, ``slo_tpot_s = 0.5``,
 ``slo_e2e_s = 30.0``, ``coscheduled_tolerance = 2.0`` (below).
 
+**A request the engine says it preempted.** Where the engine reports how often each
+finished request was preempted (vLLM's ``request_num_preemptions``; the caller's
+``own_preemptions``), a request preempted at least once has its decode phases (``tpot``,
+``itl_max``) judged without ``factor``: ``threshold = max(quantile_q'(ratio) x expected,
+expected + floor_s)``. The factor is a margin against calling the fit's own error slow; a
+preempted request's KV was dropped and recomputed, and it waited for blocks in its decode,
+so a decode above the noise the unslowed ones show is that wait, not the fit's error. (On
+the KV-starved CPU vLLM the first requests to be readmitted lost 45 % of their decode to
+the wait and still read only 1.1-1.5 times the fitted cost, which the fit of short calm
+decodes put above their real unslowed cost.) A request known not to have been preempted,
+or whose count is unknown, is judged as any other.
+
 ``q`` is higher than the single-latency baseline's usual p95: up to six phases of every
 request are judged, and a request is slow when any one is, so each phase's tail must be
 rarer for the requests' false-slow rate to stay at a few per cent.
@@ -155,6 +167,8 @@ TAIL_POINTS = 3
 """Points kept above the tail quantile: ``q`` falls to ``1 - 3/n`` while ``n`` is small."""
 
 TOKEN_SIZED = frozenset({"prefill", "ttft", "e2e"})
+DECODE_PHASES = frozenset({"tpot", "itl_max"})
+"""Phases judged without ``baseline_factor`` for a request its engine says it preempted."""
 """Phases whose size is a token count (cost proportional to it when only one size is seen)."""
 
 TPOT_FLOOR_S = 0.02
@@ -689,6 +703,7 @@ class SlowDetector:
         batch: float | None = None,
         neighbours: Sequence[RequestRecord] | None = None,
         preempted: Sequence[tuple[float, float]] = (),
+        own_preemptions: int | None = None,
     ) -> Verdict | None:
         """Judge every phase of ``record``; learn from it when no phase was slow.
 
@@ -702,8 +717,10 @@ class SlowDetector:
             preempted: ``(a, b)`` intervals, Unix seconds, sorted and disjoint, in which
                 the engine preempted requests (``kvpressure_engine_preemptions_total`` rose
                 between two samples at ``a`` and ``b``); a phase whose span overlaps one is
-                judged but not
-                learnt (a memory shortage is not the engine's normal cost).
+                judged but not learnt (a memory shortage is not the engine's normal cost).
+            own_preemptions: how many times the engine preempted this request (vLLM's
+                ``request_num_preemptions``), ``None`` when unknown; at least 1 judges its
+                decode phases without ``baseline_factor`` (module docstring).
 
         Returns:
             ``None`` when the record has neither TTFT nor end-to-end latency.
@@ -711,6 +728,7 @@ class SlowDetector:
         r = record
         if r.ttft_s is None and r.e2e_s is None:
             return None
+        preempted_self = own_preemptions is not None and own_preemptions >= 1
         judged: list[PhaseVerdict] = []
         learn: list[tuple[str, float, float, float]] = []
 
@@ -748,7 +766,8 @@ class SlowDetector:
             own = max(0.0, value - extra)
             if m is not None and len(m.points) >= self.min_requests:
                 fl = self._floor(phase) if floor is None else floor
-                thr, exp = m.threshold(size, self.q, self.factor, fl, tokens)
+                factor = 1.0 if phase in DECODE_PHASES and preempted_self else self.factor
+                thr, exp = m.threshold(size, self.q, factor, fl, tokens)
                 judged.append(
                     PhaseVerdict(
                         phase, value, thr + extra, "baseline", exp + extra, size, a, b, allow
@@ -819,8 +838,9 @@ class SlowDetector:
         )
         if log.isEnabledFor(logging.DEBUG):  # every verdict, for whoever tunes a workload
             log.debug(
-                "judged %s request %.3f-%.3f (in %s, out %s): %s",
+                "judged %s request %.3f-%.3f (in %s, out %s, preempted %s): %s",
                 r.engine, r.start, r.end, r.input_tokens, r.output_tokens,
+                "?" if own_preemptions is None else own_preemptions,
                 "; ".join(
                     f"{p.phase} {p.value_s:.4g} {'>' if p.value_s > p.threshold_s else '<='}"
                     f" {p.threshold_s:.4g} ({p.basis}, expected {_g(p.expected_s)},"

@@ -38,14 +38,14 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Protocol
 
 from kvpressure.agent.attribution.detector import SlowDetector, Verdict
 from kvpressure.agent.attribution.engine import Attributor
 from kvpressure.agent.attribution.model import ALL_CAUSES, CAUSES, UNKNOWN, Attribution
 from kvpressure.agent.attribution.rules import LONG_LOOKBACK, METRICS_READ
-from kvpressure.agent.attribution.signals import Signals
+from kvpressure.agent.attribution.signals import Series, Signals
 from kvpressure.agent.attribution.store import AttributionStore, RequestSummary
 from kvpressure.agent.catalogue import SampleName
 from kvpressure.agent.pipeline import Sampler
@@ -78,6 +78,18 @@ were running beside it and have not finished (:meth:`AttributionSampler._unseen_
 RUNNING: SampleName = "kvpressure_engine_requests_running"
 STATS_STALE: SampleName = "kvpressure_engine_stats_stale"
 PREEMPTIONS: SampleName = "kvpressure_engine_preemptions_total"
+FINISHED: SampleName = "kvpressure_engine_finished_requests_total"
+FINISHED_PREEMPTIONS: SampleName = "kvpressure_engine_finished_requests_preemptions_total"
+
+OWN_PREEMPTIONS_MARGIN_S = 0.1
+"""A record's end must lie at least this far from both engine samples around it before the
+finished-request counters between them are read as its own (the engine counts a request
+when it finishes, at nearly the time its record ends; a scrape in that instant could count
+it on either side)."""
+
+OWN_PREEMPTIONS_LOOKBACK_S = 30.0
+"""How far before the earliest ready record's end the finished-request counters are read
+(covers any engine scrape interval)."""
 
 
 def _tail_quantile(labels: Mapping[str, str]) -> bool:
@@ -87,6 +99,54 @@ def _tail_quantile(labels: Mapping[str, str]) -> bool:
         return q is not None and float(q) >= 0.95
     except ValueError:
         return False
+
+
+def _around(
+    counts: Iterable[Series],
+    totals: Mapping[tuple[tuple[str, str], ...], Series],
+    t: float,
+) -> tuple[float, float, float, float] | None:
+    """The engine samples around ``t`` and the two counters' increases between them.
+
+    Args:
+        counts: the engine's ``kvpressure_engine_finished_requests_total`` series.
+        totals: its ``..._preemptions_total`` series by their sorted labels.
+        t: a record's end, Unix seconds.
+
+    Returns:
+        ``(a, b, finished, preemptions)``: the last sample time before ``t`` and the first
+        after it, each at least :data:`OWN_PREEMPTIONS_MARGIN_S` away, same in every
+        series, and the increases summed over the series; ``None`` when a series has no
+        such pair, the pairs differ, or a counter went down.
+    """
+    pair: tuple[float, float] | None = None
+    finished = preemptions = 0.0
+    seen = False
+    for c in counts:
+        p = totals.get(tuple(sorted(c.labels.items())))
+        if p is None:
+            return None
+        k = bisect.bisect_right(c.ts, t)
+        if k == 0 or k >= len(c.ts):
+            return None
+        a, b = c.ts[k - 1], c.ts[k]
+        if t - a < OWN_PREEMPTIONS_MARGIN_S or b - t < OWN_PREEMPTIONS_MARGIN_S:
+            return None
+        if pair is not None and pair != (a, b):
+            return None
+        pair = (a, b)
+        j = bisect.bisect_left(p.ts, b)
+        if j == 0 or j >= len(p.ts) or p.ts[j] != b or p.ts[j - 1] != a:
+            return None
+        dc, dp = c.vs[k] - c.vs[k - 1], p.vs[j] - p.vs[j - 1]
+        if dc < 0 or dp < 0:
+            return None
+        finished += dc
+        preemptions += dp
+        seen = True
+    if not seen or pair is None:
+        return None
+    return pair[0], pair[1], finished, preemptions
 
 
 def _last_in(
@@ -206,9 +266,14 @@ class AttributionSampler(Sampler):
         pool = sorted((*self._recent, *self._pending), key=lambda o: o.end) if ready else []
         ends = [o.end for o in pool]
         slow: list[tuple[RequestRecord, Verdict]] = []
+        own = self._own_preemptions(ready, pool, now)
         for i, r in enumerate(ready):
             v = self.detector.judge(
-                r, batches[i], self._neighbours(r, pool, ends), preempted.get(r.engine, ())
+                r,
+                batches[i],
+                self._neighbours(r, pool, ends),
+                preempted.get(r.engine, ()),
+                own[i],
             )
             is_slow = v is not None and v.slow
             self.store.add_request(
@@ -351,6 +416,69 @@ class AttributionSampler(Sampler):
             if vals:
                 out[i] = sum(vals) / len(vals)
         return out, preempted
+
+    def _own_preemptions(
+        self, ready: list[RequestRecord], pool: list[RequestRecord], now: float
+    ) -> list[int | None]:
+        """How many times each ready record's request was preempted, where the engine says.
+
+        Source: ``kvpressure_engine_finished_requests_total`` and
+        ``kvpressure_engine_finished_requests_preemptions_total`` (vLLM's
+        ``request_num_preemptions`` histogram count and sum: one observation per finished
+        request), summed over the engine's series. Over the two engine samples around the
+        record's end (each at least :data:`OWN_PREEMPTIONS_MARGIN_S` from it), the sum's
+        increase is the record's own preemptions when the count rose by exactly 1 and the
+        record is the one known record of its engine that ended between them; 0 for every
+        record there when the sum did not rise while the count did. Else (several finished,
+        a sample missing, clients the agent does not see) unknown.
+
+        Args:
+            ready: the records about to be judged.
+            pool: every known record (settled and pending), sorted by end.
+            now: the cycle's time, Unix seconds.
+
+        Returns:
+            One entry per ready record: the preemptions (>= 0), or ``None`` when unknown.
+        """
+        out: list[int | None] = [None] * len(ready)
+        if not ready:
+            return out
+        sig = Signals.from_timeline(
+            self.timeline,
+            (FINISHED, FINISHED_PREEMPTIONS),
+            min(r.end for r in ready) - OWN_PREEMPTIONS_LOOKBACK_S,
+            now,
+        )
+        count: dict[str, list[Series]] = {}
+        total: dict[str, dict[tuple[tuple[str, str], ...], Series]] = {}
+        for s in sig.series(FINISHED):
+            engine = s.labels.get("engine")
+            if engine is not None and s.ts:
+                count.setdefault(engine, []).append(s)
+        for s in sig.series(FINISHED_PREEMPTIONS):
+            engine = s.labels.get("engine")
+            if engine is not None:
+                total.setdefault(engine, {})[tuple(sorted(s.labels.items()))] = s
+        if not count:
+            return out
+        ends: dict[str, list[float]] = {}
+        for o in pool:  # sorted by end: each engine's list is too
+            ends.setdefault(o.engine, []).append(o.end)
+        for i, r in enumerate(ready):
+            around = _around(count.get(r.engine, ()), total.get(r.engine, {}), r.end)
+            if around is None:
+                continue
+            a, b, finished, preemptions = around
+            if finished < 1:
+                continue  # the engine has not counted it (yet): nothing to read
+            if preemptions == 0:
+                out[i] = 0
+                continue
+            known = ends.get(r.engine, [])
+            in_between = bisect.bisect_right(known, b) - bisect.bisect_right(known, a)
+            if finished == 1 and in_between == 1:
+                out[i] = round(preemptions)
+        return out
 
     @staticmethod
     def _neighbours(

@@ -22,6 +22,8 @@ catalogue metric                               vLLM metric (first present wins)
 ``kvpressure_engine_requests_running``         ``vllm:num_requests_running``
 ``kvpressure_engine_requests_waiting``         ``vllm:num_requests_waiting``
 ``kvpressure_engine_preemptions_total``        ``vllm:num_preemptions_total``
+``kvpressure_engine_finished_requests_total``  ``vllm:request_num_preemptions_count``
+``kvpressure_engine_finished_requests_pree...`` ``vllm:request_num_preemptions_sum``
 ``kvpressure_engine_prefix_cache_queried_...`` ``vllm:prefix_cache_queries_total`` →
                                                ``vllm:gpu_prefix_cache_queries_total``
 ``kvpressure_engine_prefix_cache_hit_...``     ``vllm:prefix_cache_hits_total`` →
@@ -242,6 +244,16 @@ MAPPING = EngineMapping(
         Rule(
             "kvpressure_engine_preemptions_total",
             ("vllm:num_preemptions_total",),
+            kind="counter",
+        ),
+        Rule(
+            "kvpressure_engine_finished_requests_total",
+            ("vllm:request_num_preemptions_count",),
+            kind="counter",
+        ),
+        Rule(
+            "kvpressure_engine_finished_requests_preemptions_total",
+            ("vllm:request_num_preemptions_sum",),
             kind="counter",
         ),
         Rule(
