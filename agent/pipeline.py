@@ -86,9 +86,14 @@ class Sampler(abc.ABC):
         name: the value of the ``sampler`` label, e.g. ``"host"`` or ``"engine:vllm"``.
         interval_s: seconds between the starts of two collections.
         timeout_s: seconds after which a running collection counts as failed.
+        thread_group: ``None`` (the default): the sampler has a thread of its own. A name:
+            samplers of that name and the same interval share one thread, collected in
+            turn (:class:`agent.scheduler.ThreadGroup`); for many small, frequent reads
+            whose own deadline keeps them well inside the interval.
     """
 
     name: str = "sampler"
+    thread_group: str | None = None
 
     def __init__(self, interval_s: float = 1.0, timeout_s: float | None = None) -> None:
         self.interval_s = interval_s

@@ -15,6 +15,7 @@ from kvpressure.agent.config import parse
 from kvpressure.agent.daemon import Daemon, SamplerRunner
 from kvpressure.agent.samplers.base import Sampler
 from kvpressure.agent.samples import Batch
+from kvpressure.agent.scheduler import Runners
 from kvpressure.agent.state import AgentState
 from kvpressure.agent.timeline import Timeline
 
@@ -69,6 +70,68 @@ def test_slow_sampler_times_out_without_delaying_others():
     assert slow.sampler.calls == 1  # never piled up behind the stuck call
     slow.stop()
     fast.stop()
+
+
+class Grouped(Counting):
+    """A :class:`Counting` sampler in a thread group; records its threads and its close."""
+
+    thread_group = "test-group"
+
+    def __init__(self, name, interval_s=0.05, sleep_s=0.0, slow_after=None):
+        super().__init__(name, interval_s=interval_s, sleep_s=0.0)
+        self.threads = set()
+        self.closed = False
+        self.slow_sleep = sleep_s
+        self.slow_after = slow_after
+
+    def collect(self, batch: Batch) -> None:
+        self.threads.add(threading.current_thread().name)
+        super().collect(batch)
+        if self.slow_after is not None and self.calls > self.slow_after:
+            time.sleep(self.slow_sleep)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_thread_group_shares_one_thread_and_publishes_each_report():
+    state = AgentState(Timeline())
+    runners = Runners(state)
+    a, b = Grouped("g-a"), Grouped("g-b")
+    other = Grouped("g-other", interval_s=0.07)  # another interval: another thread
+    runners.apply({}, {"g-a": a, "g-b": b, "g-other": other})
+    before = {t.name for t in threading.enumerate()}
+    time.sleep(0.5)
+    assert a.threads == b.threads == {"sampler-test-group"}
+    assert other.threads == {"sampler-test-group"}
+    assert "sampler-g-a" not in before and "sampler-g-b" not in before
+    assert sum(t.name == "sampler-test-group" for t in threading.enumerate()) == 2
+    assert a.calls >= 6 and b.calls >= 6  # ~10 each at 20 Hz
+    reports = {r.sampler: r for r in state.reports()}
+    assert reports["g-a"].ok and reports["g-b"].ok and reports["g-other"].ok
+    for r in runners.stop():
+        assert r.join(2.0)
+    assert a.closed and b.closed and other.closed
+    time.sleep(0.1)
+    assert not any(t.name == "sampler-test-group" for t in threading.enumerate())
+
+
+def test_thread_group_member_that_overruns_leaves_without_delaying_the_rest():
+    state = AgentState(Timeline())
+    runners = Runners(state)
+    slow = Grouped("g-slow", sleep_s=0.3, slow_after=2)
+    fast = Grouped("g-fast")
+    runners.apply({}, {"g-slow": slow, "g-fast": fast})
+    time.sleep(0.3)
+    calls = fast.calls
+    time.sleep(1.0)
+    assert "sampler-g-slow" in slow.threads  # left the group for a thread of its own
+    assert fast.threads == {"sampler-test-group"}
+    assert fast.calls - calls >= 12  # ~20 at 20 Hz; one late tick at most
+    # a stopped member is closed; the group's thread ends with its last member
+    for r in runners.stop():
+        assert r.join(2.0)
+    assert slow.closed and fast.closed
 
 
 def test_failing_sampler_is_down_and_counted_others_unaffected():

