@@ -252,6 +252,37 @@ def test_the_sampler_reads_each_finished_requests_own_preemptions():
     assert _own_preemptions(_finished_timeline(c, p, 2), recs[:2]) == [None, 0]
 
 
+def test_a_record_waits_for_the_scrape_that_counts_it():
+    # the engine's counters sampled at T+0..T+4; a request ends at T+4.5 and its span is
+    # settled at T+6, before the next full scrape: it is held, then read when it comes
+    c, p = [0.0] * 5, [0.0] * 5
+    timeline = _finished_timeline(c, p)
+    now = [T + 6.0]
+    stream, detector = RequestStream(), SlowDetector()
+    sampler = AttributionSampler(
+        stream, timeline, AttributionStore(), detector, Attributor(Params()),
+        settle_s=1.0, clock=lambda: now[0],
+    )  # fmt: skip
+    stream.submit(span(1.0, 0.05, 3.45))  # ends T+4.5
+    sampler.collect(Batch())
+    assert detector.baseline_size(ENG, "ttft") == 0  # held
+    b = Batch()
+    b.add("kvpressure_engine_finished_requests_total", 1.0, engine=ENG, instance="i0:1")
+    b.add("kvpressure_engine_finished_requests_preemptions_total", 0.0, engine=ENG,
+          instance="i0:1")  # fmt: skip
+    timeline.append(T + 5.0, b.samples)
+    sampler.collect(Batch())
+    assert detector.baseline_size(ENG, "ttft") == 1  # judged
+    # an engine whose scrapes stopped does not hold its records past the wait
+    stream.submit(span(3.0, 0.05, 3.0))  # ends T+6.05
+    now[0] = T + 8.0
+    sampler.collect(Batch())
+    assert detector.baseline_size(ENG, "ttft") == 1
+    now[0] = T + 11.5
+    sampler.collect(Batch())
+    assert detector.baseline_size(ENG, "ttft") == 2
+
+
 def test_an_engine_without_per_request_preemptions_leaves_them_unknown():
     timeline = Timeline(4096, 1000)
     for k in range(10):

@@ -87,6 +87,12 @@ finished-request counters between them are read as its own (the engine counts a 
 when it finishes, at nearly the time its record ends; a scrape in that instant could count
 it on either side)."""
 
+OWN_PREEMPTIONS_WAIT_S = 5.0
+"""A settled record of an engine that reports its finished requests' preemptions waits at
+most this long after its end for the engine sample after it (the full scrape that counts
+it, typically 1 s later), so its own preemptions can be read (:meth:`AttributionSampler.
+_uncounted`)."""
+
 OWN_PREEMPTIONS_LOOKBACK_S = 30.0
 """How far before the earliest ready record's end the finished-request counters are read
 (covers any engine scrape interval)."""
@@ -247,7 +253,7 @@ class AttributionSampler(Sampler):
             self._pending.popleft()
             self.dropped_records += 1
         cutoff = now - self.settle_s
-        held = self._unseen_in_flight(now, cutoff)
+        held = self._unseen_in_flight(now, cutoff) | self._uncounted(now, cutoff)
         ready: list[RequestRecord] = []
         keep: deque[RequestRecord] = deque()
         for r in self._pending:
@@ -416,6 +422,35 @@ class AttributionSampler(Sampler):
             if vals:
                 out[i] = sum(vals) / len(vals)
         return out, preempted
+
+    def _uncounted(self, now: float, cutoff: float) -> set[int]:
+        """``id()`` of the settled pending records to hold for the engine sample after them.
+
+        A record of an engine with ``kvpressure_engine_finished_requests_total`` waits,
+        at most :data:`OWN_PREEMPTIONS_WAIT_S` after its end, until that series has a
+        sample at least :data:`OWN_PREEMPTIONS_MARGIN_S` after its end: the scrape that
+        counted its request, without which its own preemptions stay unknown
+        (:meth:`_own_preemptions`). Records of other engines are never held here.
+        """
+        waiting = [r for r in self._pending if cutoff >= r.end > now - OWN_PREEMPTIONS_WAIT_S]
+        if not waiting:
+            return set()
+        sig = Signals.from_timeline(
+            self.timeline,
+            (FINISHED,),
+            min(r.end for r in waiting) - OWN_PREEMPTIONS_LOOKBACK_S,
+            now,
+        )
+        latest: dict[str, float] = {}
+        for s in sig.series(FINISHED):
+            engine = s.labels.get("engine")
+            if engine is not None and s.ts:
+                latest[engine] = min(latest.get(engine, math.inf), s.ts[-1])
+        return {
+            id(r)
+            for r in waiting
+            if r.engine in latest and latest[r.engine] < r.end + OWN_PREEMPTIONS_MARGIN_S
+        }
 
     def _own_preemptions(
         self, ready: list[RequestRecord], pool: list[RequestRecord], now: float
