@@ -48,3 +48,15 @@ def test_run_caps_malloc_arenas_unless_the_environment_chose() -> None:
     set_here, arenas = _arenas(1, {**env, "MALLOC_ARENA_MAX": "8"})
     assert set_here == "False"
     assert arenas > 1
+
+
+def test_the_daemon_imports_no_protobuf_or_opentelemetry_until_a_feature_needs_them() -> None:
+    # the OTLP receiver imports its messages on the first export, the exporter when
+    # otlp_export.endpoint is set (their own tests show both still work)
+    code = (
+        "import sys, kvpressure.agent.daemon, kvpressure.agent.cli\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules"
+        " if m.startswith(('google', 'opentelemetry'))}))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
