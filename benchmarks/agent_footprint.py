@@ -9,9 +9,16 @@ disables itself once on a machine without NVML) and measures the agent process a
 
 A light load (one short completion every 2 s) keeps the engine's counters moving.
 
+``--imports`` prints instead where the agent's resident memory at import goes: one fresh
+interpreter imports the module groups below in order and prints each group's RSS increment
+(``VmRSS`` from /proc/self/status; a group is charged only for what the groups before it
+did not already load). The last groups are what only a feature that is switched on (or used)
+imports.
+
 Usage::
 
     .venv/bin/python benchmarks/agent_footprint.py [--seconds 60] [--intervals 1,0.1]
+    .venv/bin/python benchmarks/agent_footprint.py --imports
 """
 
 from __future__ import annotations
@@ -91,11 +98,74 @@ def measure(server: LlamaServer, interval: float, seconds: float, work: Path) ->
     }
 
 
+IMPORT_GROUPS: list[tuple[str, list[str]]] = [
+    ("aiohttp (web server; loads ssl)", ["aiohttp.web"]),
+    ("pydantic", ["pydantic"]),
+    ("prometheus_client", ["prometheus_client"]),
+    ("psutil, yaml", ["psutil", "yaml"]),
+    ("httpx", ["httpx"]),
+    ("kvpressure config (pydantic models)", ["kvpressure.agent.config"]),
+    ("kvpressure daemon and cli", ["kvpressure.agent.daemon", "kvpressure.agent.cli"]),
+    (
+        "samplers: host, gpu (pynvml), engines, capacity",
+        [
+            "kvpressure.agent.samplers.host",
+            "kvpressure.agent.samplers.gpu",
+            "kvpressure.agent.samplers.accelerator",
+            "kvpressure.agent.samplers.engines.vllm",
+            "kvpressure.agent.capacity.live",
+        ],
+    ),
+    (
+        "on first OTLP export received: protobuf + OTLP messages",
+        ["opentelemetry.proto.collector.trace.v1.trace_service_pb2", "google.protobuf.json_format"],
+    ),
+    ("with otlp_export.endpoint: opentelemetry-sdk + exporter", ["kvpressure.exporters.otlp"]),
+]
+
+IMPORTS_CHILD = r"""
+import importlib, json, sys
+def rss():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+rows = [["interpreter", rss(), len(sys.modules)]]
+for label, mods in json.loads(sys.argv[1]):
+    for m in mods:
+        importlib.import_module(m)
+    rows.append([label, rss(), len(sys.modules)])
+print(json.dumps(rows))
+"""
+
+
+def import_footprint() -> int:
+    """Print the RSS each import group adds, in one fresh interpreter (this venv's)."""
+    import json
+    import subprocess
+
+    out = subprocess.run(
+        [sys.executable, "-c", IMPORTS_CHILD, json.dumps(IMPORT_GROUPS)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    rows = json.loads(out.stdout)
+    print(f"{'group':<58} {'+RSS':>9} {'RSS':>9} {'modules':>8}")
+    prev = 0
+    for label, kib, mods in rows:
+        print(f"{label:<58} {(kib - prev) / 1024:>5.1f} MiB {kib / 1024:>5.1f} MiB {mods:>8}")
+        prev = kib
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, default=60.0)
     ap.add_argument("--intervals", default="1,0.1")
+    ap.add_argument("--imports", action="store_true", help="print RSS by import group and exit")
     args = ap.parse_args()
+    if args.imports:
+        return import_footprint()
     assets, why = find_llama_assets()
     if assets is None:
         print(f"no llama.cpp server: {why}", file=sys.stderr)

@@ -19,7 +19,7 @@ import pytest
 
 from kvpressure.agent.samplers.engines.base import GAUGES, EngineSampler, gauge_lines
 from kvpressure.agent.samplers.engines.exposition import ParseResult
-from kvpressure.agent.samplers.engines.http import KeptAlive
+from kvpressure.agent.samplers.engines.http import KeptAlive, LazyClient, tls_context
 from kvpressure.agent.samples import Batch
 
 ENGINES = Path(__file__).parent / "fixtures" / "engines"
@@ -190,6 +190,53 @@ def test_kept_alive_hands_what_it_does_not_speak_to_httpx(servers: list[RawServe
         s.close()
     running = [x.value for x in batch.samples if x.name == "kvpressure_engine_requests_running"]
     assert running == [3.0]
+
+
+def test_plain_http_engines_build_no_httpx_client_and_fallbacks_share_one_tls_context(
+    exposition: Callable[[bytes], str], servers: list[RawServer]
+) -> None:
+    # issue 15 (RSS): each httpx.Client loaded the CA bundle into a TLS context of its own,
+    # ~0.8 MiB each, two per engine, for engines it never talked to (KeptAlive reads them)
+    url = exposition(BODY.encode())
+    full = EngineSampler("e", url, engine_type="vllm")
+    fast = full.gauge_sampler(0.1)
+    try:
+        for _ in range(2):
+            full.collect(Batch())
+            batch = Batch()
+            fast.collect(batch)
+        assert [(s.source, s.state) for s in batch.sources] == [("metrics", "ok")]
+        assert full._client._client is None
+        assert fast._client._client is None
+    finally:
+        fast.close()
+        full.close()
+    # a response KeptAlive does not speak goes to httpx: one client, built then, and every
+    # such client verifies with the one shared context
+    zipped = gzip.compress(BODY.encode())
+    srv = raw_server(
+        servers,
+        lambda n: (
+            response(zipped, "Content-Encoding: gzip", f"Content-Length: {len(zipped)}"),
+            False,
+        ),
+    )
+    s = EngineSampler("z", srv.url, engine_type="vllm")
+    try:
+        s.collect(Batch())
+        s.collect(Batch())
+        built = s._client._client
+        assert built is not None
+        assert s._client.get() is built
+    finally:
+        s.close()
+    a, b = LazyClient(), LazyClient()
+    try:
+        pools = [c.get()._transport._pool for c in (a, b)]  # type: ignore[attr-defined]
+        assert pools[0]._ssl_context is pools[1]._ssl_context is tls_context()
+    finally:
+        a.close()
+        b.close()
 
 
 def test_gauge_lines_cuts_only_the_named_families_in_body_order() -> None:

@@ -63,24 +63,56 @@ import threading
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Final
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any, Final
 
 from aiohttp import web
-from google.protobuf import json_format
-from google.protobuf.message import DecodeError
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
-    ExportTraceServiceRequest,
-    ExportTraceServiceResponse,
-)
-from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
-from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
 
 from kvpressure.agent import catalogue
 from kvpressure.agent.requests.metrics import MAX_ENGINES, LabelCap
 from kvpressure.agent.requests.record import RequestRecord, RequestStream
 from kvpressure.agent.samples import Batch, Sample
 
+if TYPE_CHECKING:
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+        ExportTraceServiceRequest,
+        ExportTraceServiceResponse,
+    )
+    from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
+    from opentelemetry.proto.trace.v1.trace_pb2 import Span
+
 log = logging.getLogger(__name__)
+
+_PROTO_LOCK = threading.Lock()
+_PROTO: SimpleNamespace | None = None
+
+
+def _proto() -> SimpleNamespace:
+    """Protobuf and the OTLP trace messages, imported on the first export received.
+
+    They cost ~1.5 MiB of resident memory (the message descriptors); an agent whose receiver
+    is off, or that no engine sends traces to, never imports them (issue 15). Thread-safe:
+    exports are decoded on worker threads.
+
+    Returns:
+        ``json_format``, ``DecodeError``, ``ExportTraceServiceRequest``,
+        ``ExportTraceServiceResponse``.
+    """
+    global _PROTO  # noqa: PLW0603 - one import, cached for the process
+    with _PROTO_LOCK:
+        if _PROTO is None:
+            from google.protobuf import json_format
+            from google.protobuf.message import DecodeError
+            from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
+
+            _PROTO = SimpleNamespace(
+                json_format=json_format,
+                DecodeError=DecodeError,
+                ExportTraceServiceRequest=trace_service_pb2.ExportTraceServiceRequest,
+                ExportTraceServiceResponse=trace_service_pb2.ExportTraceServiceResponse,
+            )
+        return _PROTO
+
 
 PATH = "/v1/traces"
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
@@ -91,6 +123,8 @@ SPANS_METRIC: Final = catalogue.OTLP_SPANS_RECEIVED_TOTAL
 ATTRIBUTES_DROPPED_METRIC: Final = catalogue.OTLP_SPAN_ATTRIBUTES_DROPPED_TOTAL
 REQUESTS_METRIC: Final = catalogue.OTLP_REQUESTS_TOTAL
 
+_STATUS_CODE_ERROR: Final = 2
+"""OTLP ``Status.StatusCode`` ``STATUS_CODE_ERROR`` (opentelemetry/proto/trace/v1/trace.proto)."""
 _GRPC_INVALID_ARGUMENT = 3
 _GRPC_RESOURCE_EXHAUSTED = 8
 _GRPC_UNIMPLEMENTED = 12
@@ -221,11 +255,12 @@ def decode(body: bytes, media_type: str) -> ExportTraceServiceRequest:
     Raises:
         OtlpDecodeError: the body does not decode in that encoding.
     """
-    req = ExportTraceServiceRequest()
+    pb = _proto()
+    req: ExportTraceServiceRequest = pb.ExportTraceServiceRequest()
     if media_type == PROTOBUF:
         try:
             req.ParseFromString(body)
-        except (DecodeError, RuntimeError, ValueError) as exc:
+        except (pb.DecodeError, RuntimeError, ValueError) as exc:
             raise OtlpDecodeError(f"invalid protobuf body: {_no_data(str(exc))}") from None
         return req
     try:
@@ -239,8 +274,8 @@ def decode(body: bytes, media_type: str) -> ExportTraceServiceRequest:
         raise OtlpDecodeError(f"invalid JSON body: {type(exc).__name__}") from None
     _fix_ids(doc)
     try:
-        json_format.ParseDict(doc, req, ignore_unknown_fields=True)
-    except (json_format.ParseError, ValueError, TypeError, RecursionError) as exc:
+        pb.json_format.ParseDict(doc, req, ignore_unknown_fields=True)
+    except (pb.json_format.ParseError, ValueError, TypeError, RecursionError) as exc:
         # protobuf's message quotes the offending value (client data): name the field only
         path = ".".join(_FIELD_IN_ERROR.findall(str(exc))) or "(top level)"
         raise OtlpDecodeError(f"invalid OTLP JSON: bad value at {path[:120]}") from None
@@ -386,7 +421,7 @@ def _span_outcome(span: Span, attrs: Mapping[str, Any]) -> tuple[str, str | None
     if isinstance(reasons, str) and "abort" in reasons:
         return "cancelled", error_type
     http_status = attrs.get("http.response.status_code", attrs.get("http.status_code"))
-    failed = span.status.code == Status.STATUS_CODE_ERROR or error_type is not None
+    failed = span.status.code == _STATUS_CODE_ERROR or error_type is not None
     if not failed and not (isinstance(http_status, int) and http_status >= 400):
         return "ok", None
     low = (error_type or "").lower() + " " + span.status.message[:512].lower()
@@ -632,7 +667,7 @@ class OtlpReceiver:
                     "NaN, infinite or not a number); dropped, the span is kept",
                     key,
                 )
-        resp = ExportTraceServiceResponse()
+        resp: ExportTraceServiceResponse = _proto().ExportTraceServiceResponse()
         if rejected:
             resp.partial_success.rejected_spans = rejected
             resp.partial_success.error_message = (
@@ -747,7 +782,7 @@ class OtlpReceiver:
             return self._error(400, _GRPC_INVALID_ARGUMENT, msg, media, "bad_request")
         self._c.add("requests", "partial" if resp.partial_success.rejected_spans else "ok")
         if media == JSON:
-            text = json_format.MessageToJson(resp, indent=None)
+            text = _proto().json_format.MessageToJson(resp, indent=None)
             return web.Response(text=text, content_type=JSON)
         return web.Response(body=resp.SerializeToString(), content_type=PROTOBUF)
 

@@ -56,8 +56,10 @@ from kvpressure.agent.samplers.engines.http import (
     Fetch,
     HttpResult,
     KeptAlive,
+    LazyClient,
     ascii_compatible,
     http_get,
+    tls_context,
 )
 from kvpressure.agent.samplers.engines.normalize import (
     MERGE_DUPLICATE,
@@ -169,7 +171,7 @@ def probe(url: str, timeout_s: float = 0.5) -> str | None:
         raises.
     """
     try:
-        with httpx.Client(headers={"Accept": _ACCEPT}) as client:
+        with httpx.Client(headers={"Accept": _ACCEPT}, verify=tls_context()) as client:
             res = http_get(client, base_url(url) + DEFAULT_METRICS_PATH, timeout_s)
         if res.reason or res.status is None:
             return None
@@ -221,9 +223,7 @@ class EngineSampler(Sampler):
         self.instance = instance_of(self.url)
         self.engine_type = engine_type
         self._transport = transport
-        self._client = httpx.Client(
-            transport=transport, headers={"Accept": _ACCEPT}, follow_redirects=True
-        )
+        self._client = LazyClient(transport, {"Accept": _ACCEPT})
         # plain http: one kept-alive connection read by hand (KeptAlive), httpx otherwise
         self._raw = KeptAlive(self.url, {"Accept": _ACCEPT}) if transport is None else None
         self._lock = threading.Lock()
@@ -487,7 +487,7 @@ class EngineSampler(Sampler):
             left = deadline - time.monotonic()
             if left <= 0.01:
                 return HttpResult(None, None, "", "timeout")
-            return http_get(self._client, self.url + path, left)
+            return http_get(self._client.get(), self.url + path, left)
 
         return fetch
 
@@ -531,9 +531,7 @@ class EngineGaugeSampler(Sampler):
         self._raw = (
             KeptAlive(engine.url, {"Accept": _ACCEPT}) if engine._transport is None else None
         )
-        self._client = httpx.Client(
-            transport=engine._transport, headers={"Accept": _ACCEPT}, follow_redirects=True
-        )
+        self._client = LazyClient(engine._transport, {"Accept": _ACCEPT})
         self._type: str | None = None
         self._normalizer: Normalizer | None = None
         self._wanted: tuple[str, ...] = ()
@@ -576,7 +574,7 @@ class EngineGaugeSampler(Sampler):
         if res is None:
             left = deadline - time.monotonic()
             res = (
-                http_get(self._client, eng.url + mapping.metrics_path, left)
+                http_get(self._client.get(), eng.url + mapping.metrics_path, left)
                 if left > 0.01
                 else HttpResult(None, None, "", "timeout")
             )
