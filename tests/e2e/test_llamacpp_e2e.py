@@ -101,7 +101,14 @@ def test_idle_baseline(agent: Agent, llama_server: LlamaServer, e2e_report: dict
     _, view = wait_for(
         agent, llama_server.instance, lambda v: v["up"] == 1 and v["capacity"] is not None, 10
     )
+    # the host sampler publishes on its own thread: its first cycle may land after the
+    # engine's first (seen once in CI, 2026-12-02); wait for it, bounded
     samples = agent.scrape()
+    deadline = time.monotonic() + 10.0
+    while value(samples, "kvpressure_host_memory_total_bytes") is None:
+        assert time.monotonic() < deadline, "no host memory series 10 s after the engine was up"
+        time.sleep(0.2)
+        samples = agent.scrape()
     slots = llama_server.get_json("/slots")
     n_ctx_sum = sum(int(s["n_ctx"]) for s in slots)
     print(f"\n[e2e] idle view {view}; /slots n_ctx {[s['n_ctx'] for s in slots]}")
