@@ -103,6 +103,18 @@ def raw_server(servers: list[RawServer], reply: Callable[[int], tuple[bytes, boo
     return srv
 
 
+def gzip_server(servers: list[RawServer]) -> RawServer:
+    """A server that answers every request with :data:`BODY` gzipped, kept alive."""
+    zipped = gzip.compress(BODY.encode())
+    return raw_server(
+        servers,
+        lambda n: (
+            response(zipped, "Content-Encoding: gzip", f"Content-Length: {len(zipped)}"),
+            False,
+        ),
+    )
+
+
 def get(client: KeptAlive, path: str = "/metrics", budget_s: float = 2.0, **kw: int):  # type: ignore[no-untyped-def]
     return client.get(path, time.monotonic() + budget_s, **kw)
 
@@ -170,14 +182,7 @@ def test_kept_alive_reasons_match_http_get(servers: list[RawServer]) -> None:
 
 
 def test_kept_alive_hands_what_it_does_not_speak_to_httpx(servers: list[RawServer]) -> None:
-    zipped = gzip.compress(BODY.encode())
-    srv = raw_server(
-        servers,
-        lambda n: (
-            response(zipped, "Content-Encoding: gzip", f"Content-Length: {len(zipped)}"),
-            False,
-        ),
-    )
+    srv = gzip_server(servers)
     client = KeptAlive(srv.url)
     assert get(client) is None
     assert get(KeptAlive("https://127.0.0.1:1")) is None
@@ -213,14 +218,7 @@ def test_plain_http_engines_build_no_httpx_client_and_fallbacks_share_one_tls_co
         full.close()
     # a response KeptAlive does not speak goes to httpx: one client, built then, and every
     # such client verifies with the one shared context
-    zipped = gzip.compress(BODY.encode())
-    srv = raw_server(
-        servers,
-        lambda n: (
-            response(zipped, "Content-Encoding: gzip", f"Content-Length: {len(zipped)}"),
-            False,
-        ),
-    )
+    srv = gzip_server(servers)
     s = EngineSampler("z", srv.url, engine_type="vllm")
     try:
         s.collect(Batch())

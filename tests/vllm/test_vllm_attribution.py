@@ -17,19 +17,15 @@ is a benchmark, not a gate (``benchmarks/attribution/README.md``).
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 import time
 from pathlib import Path
-from types import ModuleType
 
 import pytest
-from vllm_support import REPO_ROOT, REPORT, find_assets, unavailable
+from vllm_support import REPORT, find_assets, load_bench, unavailable
 
 pytestmark = pytest.mark.e2e
 
-SCRIPT = REPO_ROOT / "benchmarks" / "attribution" / "vllm_memory.py"
 REQUESTS = 30
 """As many as the full benchmark: before psi_cpu_some discounted the engine's own CPU use, in
 about half the runs two requests of the first wave went to compute (their scope held one
@@ -43,21 +39,11 @@ CI_ACCURACY = 0.80
 """Share of the memory scenario's slow requests that must be named memory (see the test)."""
 
 
-def _load() -> ModuleType:
-    name = "kvpressure_vllm_memory_bench"
-    spec = importlib.util.spec_from_file_location(name, SCRIPT)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_reduced_vllm_memory_attribution(tmp_path: Path) -> None:
     assets, why = find_assets()
     if assets is None:
         unavailable(why)
-    bench = _load()
+    bench = load_bench()
     out = tmp_path / "vllm-memory.json"
     t0 = time.monotonic()
     rc = bench.main(

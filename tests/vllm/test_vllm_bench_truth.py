@@ -5,26 +5,16 @@ to them by trace id. No server: the stream lines are in the shape vLLM 0.32's
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "attribution" / "vllm_memory.py"
+from vllm_support import load_bench
 
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    name = "kvpressure_vllm_memory_bench_truth"
-    spec = importlib.util.spec_from_file_location(name, SCRIPT)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench()
 
 
 def _chunk(text: str, usage: dict[str, int] | None = None) -> str:

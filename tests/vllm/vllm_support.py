@@ -13,6 +13,7 @@ and that group is terminated at the end.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import signal
 import subprocess
@@ -21,6 +22,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import httpx
@@ -192,3 +194,18 @@ class Poller:
             except httpx.HTTPError:
                 self.errors += 1
             self._stop.wait(self.every_s)
+
+
+def load_bench() -> ModuleType:
+    """``benchmarks/attribution/vllm_memory.py`` as a module (loaded once per process)."""
+    name = "kvpressure_vllm_memory_bench"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(
+        name, REPO_ROOT / "benchmarks" / "attribution" / "vllm_memory.py"
+    )
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
