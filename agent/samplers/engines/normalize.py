@@ -333,8 +333,12 @@ def name_variants(name: str) -> tuple[str, ...]:
     return (name,)
 
 
+@functools.lru_cache(maxsize=4096)
 def looks_like_gauge(name: str, help_text: str) -> bool:
     """Return True when a family typed ``counter`` is really an average or a rate.
+
+    Answered once per name and HELP text (a bounded cache): the normalizer asks for every
+    counter rule on every scrape.
 
     Args:
         name: the family or sample name (a ``_total`` suffix is ignored).
