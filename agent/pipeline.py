@@ -74,26 +74,32 @@ class Stage(enum.StrEnum):
     """Reads the state and timeline the sources filled."""
 
 
+SHARED_THREAD: Final = "shared"
+"""The default :attr:`Sampler.thread_group`: every sampler of one interval on one thread."""
+
+
 class Sampler(abc.ABC):
     """A periodic stage: a reader of one kind of source, or a derived computation.
 
-    Subclasses implement :meth:`collect`. The daemon calls it on a dedicated worker thread
-    every ``interval_s`` seconds (or, for a derived stage with ``after``, right after each
-    report of those sources); a call that runs longer than ``timeout_s`` marks the sampler
-    down (``kvpressure_sampler_up 0``) without blocking any other sampler.
+    Subclasses implement :meth:`collect`. The daemon calls it every ``interval_s`` seconds
+    (or, for a derived stage with ``after``, right after each report of those sources) on
+    the thread it shares with the other samplers of that interval, or on one of its own
+    while its collections overrun the interval (:mod:`agent.scheduler`); a call that runs
+    longer than ``timeout_s`` marks the sampler down (``kvpressure_sampler_up 0``) without
+    blocking any other sampler.
 
     Attributes:
         name: the value of the ``sampler`` label, e.g. ``"host"`` or ``"engine:vllm"``.
         interval_s: seconds between the starts of two collections.
         timeout_s: seconds after which a running collection counts as failed.
-        thread_group: ``None`` (the default): the sampler has a thread of its own. A name:
-            samplers of that name and the same interval share one thread, collected in
-            turn (:class:`agent.scheduler.ThreadGroup`); for many small, frequent reads
-            whose own deadline keeps them well inside the interval.
+        thread_group: samplers of one ``thread_group`` and interval share one thread,
+            collected in turn (:class:`agent.scheduler.ThreadGroup`); every sampler is in
+            :data:`SHARED_THREAD` unless it names another group, or ``None`` for a thread
+            of its own.
     """
 
     name: str = "sampler"
-    thread_group: str | None = None
+    thread_group: str | None = SHARED_THREAD
 
     def __init__(self, interval_s: float = 1.0, timeout_s: float | None = None) -> None:
         self.interval_s = interval_s

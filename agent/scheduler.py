@@ -1,26 +1,37 @@
-"""Runs the pipeline's samplers: one daemon thread each, a watchdog, and the derived triggers.
+"""Runs the pipeline's samplers: shared threads per interval, a watchdog, the derived triggers.
 
-Scheduling: every sampler runs on its own daemon thread (:class:`SamplerRunner`), starting
-a collection every ``interval_s`` seconds (missed ticks are skipped, never queued), except
-samplers that name a ``thread_group`` (:attr:`agent.pipeline.Sampler.thread_group`: the
-engines' 10 Hz gauge readers): those of one group and interval share one thread
-(:class:`ThreadGroup`), collected one after another each tick, each still publishing its own
-report; one whose collection runs past the interval leaves the group for a thread of its
-own, so a slow member delays the others by one tick at most. A derived
-stage registered with ``after`` (the accelerator, after ``gpu``) instead runs right after each
-report of those sources, so it reads the state of the same tick. :meth:`Runners.check_timeouts`
-(called by the daemon's watchdog on the event loop) marks a sampler down (``kvpressure_sampler_up
-0``, reason ``timeout``) as soon as a collection runs past its ``timeout_s``; the stuck thread
-delays nothing else, and its late result is discarded.
+Scheduling: the samplers of one interval (and ``thread_group``, :attr:`agent.pipeline.Sampler.
+thread_group`, by default one shared group) run on one daemon thread (:class:`ThreadGroup`),
+collected one after another every ``interval_s`` seconds (missed ticks are skipped, never
+queued), each publishing its own report. One thread per interval, not per sampler: on the
+virtual machine of the README's figures a thread that wakes an idle vCPU pays 80-150 µs of
+CPU for it (more than a host or gauge cycle's own work) and runs with cold caches, and
+threads that wake together contend for the GIL; on one thread the 8-GPU node's ~70 wake-ups
+a second become ~12 (``benchmarks/node_cost.py``: 1.4-1.8 % of a core less, out of 8-10).
+
+A member whose collection runs past the interval leaves the group for a thread of its own
+(:class:`SamplerRunner`), at once: the watchdog (:meth:`Runners.check_timeouts`) moves the
+group's other members to a new thread while the slow collection is still running, so a
+stuck or slow sampler delays the others by one interval at most. A sampler on its own
+thread rejoins its group after :data:`REJOIN_AFTER` collections in a row that each took at
+most half the interval (a transient: the machine was busy). A sampler whose
+``thread_group`` is ``None`` always has a thread of its own.
+
+A derived stage registered with ``after`` (the accelerator, after ``gpu``) instead runs
+on its own thread right after each report of those sources, so it reads the state of the
+same tick. :meth:`Runners.check_timeouts` (called by the daemon's watchdog on the event
+loop) marks a sampler down (``kvpressure_sampler_up 0``, reason ``timeout``) as soon as a
+collection runs past its ``timeout_s``; its late result is discarded.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 import time
-from collections.abc import Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 
 from kvpressure.agent.pipeline import Planned, Sampler, Stage
 from kvpressure.agent.samples import Batch
@@ -28,9 +39,14 @@ from kvpressure.agent.state import AgentState, SamplerReport
 
 log = logging.getLogger(__name__)
 
+REJOIN_AFTER = 100
+"""Collections in a row, each within a quarter of the interval, after which a sampler that
+left its thread group (it overran the interval) rejoins it; doubled at each rejoin, up to 64
+times, so a sampler that keeps overrunning does not come and go."""
+
 
 class SamplerRunner:
-    """Runs one sampler on its own daemon thread and publishes its reports.
+    """Runs one sampler, in its thread group or on its own daemon thread, and publishes its reports.
 
     Args:
         sampler: the sampler to run.
@@ -39,6 +55,10 @@ class SamplerRunner:
             runner across reloads when the spec is unchanged (so counter state survives).
         triggered: run after each :meth:`trigger` (a derived stage with ``after``) instead of
             on the sampler's interval.
+        group: the thread group to run in; ``None``: a thread of its own.
+        home: returns the live group to rejoin after a spell on its own thread (a group
+            whose members all left has ended; :class:`Runners` then makes a new one);
+            default: ``group`` while it lasts.
     """
 
     def __init__(
@@ -48,18 +68,18 @@ class SamplerRunner:
         spec: object,
         triggered: bool = False,
         group: ThreadGroup | None = None,
+        home: Callable[[], ThreadGroup | None] | None = None,
     ) -> None:
         self.sampler = sampler
         self.spec = spec
         self.triggered = triggered
         self._state = state
-        self._group = group
+        self._group = group  # the group running it now; None while on a thread of its own
+        self._home = home or (lambda: group)  # the group it rejoins, if any
+        self._rejoin_after = REJOIN_AFTER
         self._stop = threading.Event()
         self._done = threading.Event()
         self._wake = threading.Event()
-        self._thread = threading.Thread(
-            target=self._main, name=f"sampler-{sampler.name}", daemon=True
-        )
         self._lock = threading.Lock()
         self._running_since: float | None = None
         self._timed_out = False
@@ -69,7 +89,12 @@ class SamplerRunner:
         group = self._group
         if group is None or not group.add(self):
             self._group = None
-            self._thread.start()
+            self._own_thread()
+
+    def _own_thread(self) -> None:
+        threading.Thread(
+            target=self._main, name=f"sampler-{self.sampler.name}", daemon=True
+        ).start()
 
     def stop(self) -> None:
         """Ask the thread to stop after its current collection; does not wait."""
@@ -85,9 +110,13 @@ class SamplerRunner:
         return self._stop.is_set()
 
     def leave_group(self) -> None:
-        """Run on a thread of its own from now on (called by its group, between ticks)."""
+        """Run on a thread of its own (called by its group's thread, after a collection).
+
+        It rejoins the group after :data:`REJOIN_AFTER` quick collections in a row (more
+        after each rejoin).
+        """
         self._group = None
-        self._thread.start()
+        self._own_thread()
 
     def finish(self) -> None:
         """Close the sampler; :meth:`join` returns True from then on."""
@@ -151,6 +180,7 @@ class SamplerRunner:
     def _main(self) -> None:
         interval = self.sampler.interval_s
         next_t = time.monotonic()
+        quick = 0  # collections in a row within a quarter of the interval (then it rejoins)
         while not self._stop.is_set():
             if self.triggered:
                 self._wake.wait()
@@ -159,9 +189,25 @@ class SamplerRunner:
                     break
                 self.once()
                 continue
+            t0 = time.monotonic()
             self.once()
-            next_t += interval
             now = time.monotonic()
+            quick = quick + 1 if now - t0 <= interval / 4 else 0
+            if quick >= self._rejoin_after and not self._stop.is_set():
+                quick = 0
+                home = self._home()
+                if home is not None:
+                    # it may leave again: each spell in the group doubles the wait for the next
+                    self._rejoin_after = min(2 * self._rejoin_after, 64 * REJOIN_AFTER)
+                    self._group = home
+                    if home.add(self):
+                        log.info(
+                            "sampler rejoined its thread group",
+                            extra={"kv": {"sampler": self.sampler.name, "group": home.name}},
+                        )
+                        return  # the group runs it (and closes it once stopped) from now on
+                    self._group = None  # that group has just ended: try again later
+            next_t += interval
             if next_t < now:  # skip missed ticks instead of bursting to catch up
                 next_t = now + interval - ((now - next_t) % interval)
             self._stop.wait(next_t - now)
@@ -174,11 +220,12 @@ class ThreadGroup:
     Each tick (every ``interval_s`` seconds, missed ticks skipped as in
     :class:`SamplerRunner`) runs every member's :meth:`SamplerRunner.once` in the order they
     joined; each publishes its own report, so the state, ``/metrics`` and the watchdog see
-    them as separate samplers. Eight 10 Hz readers on one thread cost a quarter less CPU
-    than on eight (fewer wake-ups and GIL hand-offs). A member whose collection takes longer
-    than ``interval_s`` leaves the group for its own thread (:meth:`SamplerRunner.leave_group`),
-    so a slow engine delays the others by at most that one collection. A stopped member is
-    closed by the group's thread between ticks; the thread ends when the last member left.
+    them as separate samplers. A member whose collection takes longer than ``interval_s``
+    leaves the group for its own thread (:meth:`SamplerRunner.leave_group`): after the
+    collection, or, through :meth:`check` (the watchdog), while it still runs, the group's
+    other members then going on on a new thread, so a slow or stuck member delays the
+    others by about one interval at most. A stopped member is closed by the group's thread
+    between ticks; the thread ends when the last member left.
 
     Args:
         name: the group's name; its thread is ``sampler-<name>``.
@@ -193,7 +240,8 @@ class ThreadGroup:
         self._wake = threading.Event()
         self._started = False
         self._closed = False
-        self._thread = threading.Thread(target=self._main, name=f"sampler-{name}", daemon=True)
+        self._gen = 0  # which thread runs the group: a superseded one ends after its call
+        self._current: tuple[SamplerRunner, float] | None = None  # collecting now, since
 
     def add(self, runner: SamplerRunner) -> bool:
         """Add ``runner`` (starting the thread on the first); False once the group has ended."""
@@ -203,8 +251,14 @@ class ThreadGroup:
             self._members.append(runner)
             if not self._started:
                 self._started = True
-                self._thread.start()
+                self._spawn()
         return True
+
+    def _spawn(self) -> None:
+        """Start a thread for generation ``self._gen`` (called with the lock held)."""
+        threading.Thread(
+            target=self._main, args=(self._gen,), name=f"sampler-{self.name}", daemon=True
+        ).start()
 
     @property
     def closed(self) -> bool:
@@ -216,41 +270,107 @@ class ThreadGroup:
         """Wake the thread now (a member was stopped: it is closed without waiting a tick)."""
         self._wake.set()
 
-    def _main(self) -> None:
+    def check(self, now: float) -> None:
+        """Move the other members to a new thread when the one collecting overran the interval.
+
+        Called by the watchdog (:meth:`Runners.check_timeouts`). The overrunning member
+        leaves the group when its collection returns (its thread then becomes its own).
+
+        Args:
+            now: ``time.monotonic()`` seconds.
+        """
+        with self._lock:
+            current = self._current
+            if current is None or self._closed or now - current[1] <= self.interval_s:
+                return
+            runner = current[0]
+            self._current = None
+            if runner in self._members:
+                self._members.remove(runner)
+            self._gen += 1
+            if self._members:
+                self._spawn()
+            else:
+                self._closed = True
+        log.info(
+            "sampler left its thread group: a collection is running past the interval",
+            extra={"kv": {"sampler": runner.sampler.name, "group": self.name}},
+        )
+
+    def _main(self, gen: int) -> None:
         interval = self.interval_s
         next_t = time.monotonic()
         while True:
             if time.monotonic() >= next_t:
-                self._tick(interval)
+                if not self._tick(interval, gen):
+                    return  # superseded (check): the rest of the group runs on a new thread
                 next_t += interval
                 now = time.monotonic()
                 if next_t < now:  # skip missed ticks instead of bursting to catch up
                     next_t = now + interval - ((now - next_t) % interval)
-            if self._reap():
+            if self._reap(gen):
                 return
             self._wake.wait(max(0.0, next_t - time.monotonic()))
             self._wake.clear()
 
-    def _tick(self, interval: float) -> None:
+    def _tick(self, interval: float, gen: int) -> bool:
+        """One collection of every member; False when this thread was superseded meanwhile."""
         with self._lock:
             members = list(self._members)
+        spent = 0.0  # wall seconds of this tick's collections
+        slowest: tuple[SamplerRunner | None, float] = (None, -1.0)
         for runner in members:
-            if runner.stopped:
-                continue
-            t0 = time.monotonic()
+            with self._lock:
+                if self._gen != gen:
+                    return False
+                if runner.stopped or runner not in self._members:
+                    continue
+                t0 = time.monotonic()
+                self._current = (runner, t0)
             runner.once()
-            if time.monotonic() - t0 > interval and not runner.stopped:
-                with self._lock:
+            took = time.monotonic() - t0
+            with self._lock:
+                detached = self._gen != gen
+                if not detached:
+                    self._current = None
+                slow = not detached and took > interval and not runner.stopped
+                if slow:
                     self._members.remove(runner)
-                log.info(
-                    "sampler left its thread group: a collection ran past the interval",
-                    extra={"kv": {"sampler": runner.sampler.name, "group": self.name}},
-                )
+            if detached:  # check() moved the others on: this thread becomes the runner's
                 runner.leave_group()
+                return False
+            if slow:
+                self._leave(runner, "a collection ran past the interval")
+            else:
+                spent += took
+                if took > slowest[1]:
+                    slowest = (runner, took)
+        if spent > interval:
+            # each collection fit, not all of them: the slowest one (an engine slow to
+            # answer) leaves, so the rest keep their interval
+            worst = slowest[0]
+            if worst is not None:
+                with self._lock:
+                    leave = worst in self._members and len(self._members) > 1
+                    if leave:
+                        self._members.remove(worst)
+                if leave:
+                    self._leave(worst, "the group's collections ran past the interval")
+        return True
 
-    def _reap(self) -> bool:
+    def _leave(self, runner: SamplerRunner, why: str) -> None:
+        log.info(
+            "sampler left its thread group: %s",
+            why,
+            extra={"kv": {"sampler": runner.sampler.name, "group": self.name}},
+        )
+        runner.leave_group()
+
+    def _reap(self, gen: int) -> bool:
         """Close the stopped members; True when none is left (the thread then ends)."""
         with self._lock:
+            if self._gen != gen:
+                return True
             gone = [r for r in self._members if r.stopped]
             self._members = [r for r in self._members if not r.stopped]
             if not self._members:
@@ -274,6 +394,7 @@ class Runners:
         self._after: dict[str, tuple[str, ...]] = {}  # runner name -> source labels it follows
         self._labels: dict[str, str] = {}  # runner name -> registration name
         self._groups: dict[tuple[str, float], ThreadGroup] = {}
+        self._groups_lock = threading.Lock()
         state.on_publish(self._published)
 
     def _published(self, report: SamplerReport) -> None:
@@ -311,7 +432,9 @@ class Runners:
                 )
                 self.state.publish(SamplerReport(name, time.time(), 0.0, False, "init"))
                 continue
-            runner = SamplerRunner(sampler, self.state, spec, triggered, self._group(sampler))
+            group = None if triggered else self._group(sampler)
+            home = None if group is None else functools.partial(self._group, sampler)
+            runner = SamplerRunner(sampler, self.state, spec, triggered, group, home)
             self.runners[name] = runner
             if planned is not None:
                 self._labels[name] = planned.reg.name
@@ -329,15 +452,24 @@ class Runners:
         if not name:
             return None
         key = (name, float(sampler.interval_s))
-        group = self._groups.get(key)
-        if group is None or group.closed:
-            group = self._groups[key] = ThreadGroup(name, sampler.interval_s)
-        return group
+        with self._groups_lock:  # runner threads rejoining call this too
+            group = self._groups.get(key)
+            if group is None or group.closed:
+                group = self._groups[key] = ThreadGroup(name, sampler.interval_s)
+            return group
 
     def check_timeouts(self, now: float) -> None:
-        """Mark down every sampler whose collection overran (the daemon's watchdog)."""
+        """The daemon's watchdog: mark down every sampler whose collection overran.
+
+        Also moves the other members of a thread group whose member is collecting past the
+        interval to a new thread (:meth:`ThreadGroup.check`).
+        """
         for r in list(self.runners.values()):
             r.check_timeout(now)
+        with self._groups_lock:
+            groups = list(self._groups.values())
+        for group in groups:
+            group.check(now)
 
     def stop(self) -> list[SamplerRunner]:
         """Ask every runner to stop; returns them for joining."""

@@ -11,8 +11,10 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvpressure.agent import scheduler
 from kvpressure.agent.config import parse
 from kvpressure.agent.daemon import Daemon, SamplerRunner
+from kvpressure.agent.pipeline import SHARED_THREAD
 from kvpressure.agent.samplers.base import Sampler
 from kvpressure.agent.samples import Batch
 from kvpressure.agent.scheduler import Runners
@@ -132,6 +134,116 @@ def test_thread_group_member_that_overruns_leaves_without_delaying_the_rest():
     for r in runners.stop():
         assert r.join(2.0)
     assert slow.closed and fast.closed
+
+
+class Stuck(Grouped):
+    """A grouped sampler whose calls ``slow_from`` to ``slow_to`` take ``sleep_s`` each."""
+
+    def __init__(self, name, sleep_s, slow_from, slow_to=10**9):
+        super().__init__(name)
+        self.slow = (slow_from, slow_to)
+        self.stuck_sleep = sleep_s
+
+    def collect(self, batch: Batch) -> None:
+        super().collect(batch)
+        if self.slow[0] <= self.calls <= self.slow[1]:
+            time.sleep(self.stuck_sleep)
+
+
+def _watch(runners, seconds):
+    """Run the daemon's watchdog (every 0.02 s here) for ``seconds``."""
+    t_end = time.monotonic() + seconds
+    while time.monotonic() < t_end:
+        runners.check_timeouts(time.monotonic())
+        time.sleep(0.02)
+
+
+def test_thread_group_watchdog_moves_the_rest_on_while_a_member_is_stuck():
+    # The stuck call lasts 1.5 s: without the watchdog's move the others would wait for it.
+    state = AgentState(Timeline())
+    runners = Runners(state)
+    stuck = Stuck("g-stuck", sleep_s=1.5, slow_from=3, slow_to=3)
+    fast = Grouped("g-fast")
+    runners.apply({}, {"g-stuck": stuck, "g-fast": fast})
+    _watch(runners, 0.3)
+    calls = fast.calls
+    _watch(runners, 1.0)
+    assert stuck.calls == 3  # still inside its stuck call
+    assert fast.calls - calls >= 12  # ~20 at 20 Hz: not held up behind it
+    assert fast.threads == {"sampler-test-group"}  # a new thread of the same group
+    assert sum(t.name == "sampler-test-group" for t in threading.enumerate()) == 2
+    _watch(runners, 0.8)
+    assert stuck.calls >= 5 and "sampler-g-stuck" in stuck.threads  # on its own thread now
+    for r in runners.stop():
+        assert r.join(3.0)
+    assert stuck.closed and fast.closed
+
+
+def test_member_that_left_rejoins_its_group_once_quick_again(monkeypatch):
+    monkeypatch.setattr(scheduler, "REJOIN_AFTER", 5)
+    state = AgentState(Timeline())
+    runners = Runners(state)
+    slow = Stuck("g-slow", sleep_s=0.12, slow_from=2, slow_to=3)  # a busy spell, then quick
+    fast = Grouped("g-fast")
+    runners.apply({}, {"g-slow": slow, "g-fast": fast})
+    _watch(runners, 1.2)
+    assert "sampler-g-slow" in slow.threads  # left during its slow spell
+    slow.threads.clear()
+    _watch(runners, 0.5)
+    assert slow.threads == {"sampler-test-group"}  # back on the group's thread
+    assert not any(t.name == "sampler-g-slow" for t in threading.enumerate())
+    for r in runners.stop():
+        assert r.join(2.0)
+    assert slow.closed and fast.closed
+
+
+def test_thread_group_whose_tick_overruns_sheds_its_slowest_member():
+    # each collection fits the 0.1 s interval, all three together do not
+    state = AgentState(Timeline())
+    runners = Runners(state)
+    a, b = Stuck("g-a", 0.03, slow_from=1), Stuck("g-b", 0.03, slow_from=1)
+    slowest = Stuck("g-slowest", 0.06, slow_from=1)
+    for g in (a, b, slowest):
+        g.interval_s = 0.1
+    runners.apply({}, {"g-a": a, "g-b": b, "g-slowest": slowest})
+    _watch(runners, 0.6)
+    assert "sampler-g-slowest" in slowest.threads  # left for a thread of its own
+    assert a.threads == b.threads == {"sampler-test-group"}
+    calls = a.calls
+    _watch(runners, 0.5)
+    assert a.calls - calls >= 4  # ~5 at 10 Hz: the group keeps its interval
+    for r in runners.stop():
+        assert r.join(2.0)
+
+
+class Default(Counting):
+    """A sampler with the default ``thread_group``; records the threads it ran on."""
+
+    def __init__(self, name, interval_s=0.05):
+        super().__init__(name, interval_s=interval_s)
+        self.threads = set()
+
+    def collect(self, batch: Batch) -> None:
+        self.threads.add(threading.current_thread().name)
+        super().collect(batch)
+
+
+class Alone(Default):
+    thread_group = None
+
+
+def test_samplers_of_one_interval_share_a_thread_by_default():
+    state = AgentState(Timeline())
+    runners = Runners(state)
+    a, b, slower, alone = Default("d-a"), Default("d-b"), Default("d-c", 0.1), Alone("d-own")
+    runners.apply({}, {"d-a": a, "d-b": b, "d-c": slower, "d-own": alone})
+    time.sleep(0.4)
+    assert a.threads == b.threads == slower.threads == {f"sampler-{SHARED_THREAD}"}
+    assert sum(t.name == f"sampler-{SHARED_THREAD}" for t in threading.enumerate()) == 2
+    assert alone.threads == {"sampler-d-own"}
+    assert min(a.calls, b.calls) >= 5 and slower.calls >= 3
+    for r in runners.stop():
+        assert r.join(2.0)
 
 
 def test_failing_sampler_is_down_and_counted_others_unaffected():

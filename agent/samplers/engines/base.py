@@ -513,16 +513,14 @@ class EngineGaugeSampler(Sampler):
     leaves out of its own batches the series this sampler published in its last cycle, while
     that cycle is at most one engine interval old.
 
-    Every engine's gauge sampler of one interval runs on one shared thread
-    (``thread_group``, :class:`agent.scheduler.ThreadGroup`): 80 reads a second on eight
-    threads cost a quarter more CPU than on one.
+    Like every sampler, it runs on the thread shared by the samplers of its interval
+    (:class:`agent.scheduler.ThreadGroup`): 80 reads a second on eight threads cost a
+    quarter more CPU than on one.
 
     Args:
         engine: the engine's sampler (its type, admitted models and pod labels are read).
         interval_s: seconds between collections.
     """
-
-    thread_group = "engine-gauges"
 
     def __init__(self, engine: EngineSampler, interval_s: float) -> None:
         super().__init__(interval_s=interval_s, timeout_s=max(interval_s, 1.0))
