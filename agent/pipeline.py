@@ -118,6 +118,15 @@ class Sampler(abc.ABC):
                 daemon logs it, sets ``kvpressure_sampler_up 0`` and drops the batch.
         """
 
+    def prepare(self) -> None:  # noqa: B027 - optional hook, empty by default
+        """Start this tick's wait early: called by its thread group before any member collects.
+
+        A sampler that waits on the network sends its request here, so the waits of the
+        members of one thread group overlap (the engines' gauge readers send their GETs);
+        :meth:`collect` then reads the answer. Must not block or raise. Not called for a
+        sampler on a thread of its own.
+        """
+
     def close(self) -> None:  # noqa: B027 - optional hook, empty by default
         """Release resources (HTTP clients, NVML handles). Called once at shutdown."""
 

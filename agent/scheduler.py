@@ -118,6 +118,15 @@ class SamplerRunner:
         self._group = None
         self._own_thread()
 
+    def prepare(self) -> None:
+        """Let the sampler start its collection's wait (:meth:`Sampler.prepare`); never raises."""
+        if self.stopped:
+            return
+        try:
+            self.sampler.prepare()
+        except Exception:  # an optimisation only: collect() does the whole read anyway
+            log.debug("prepare failed", extra={"kv": {"sampler": self.sampler.name}}, exc_info=True)
+
     def finish(self) -> None:
         """Close the sampler; :meth:`join` returns True from then on."""
         with contextlib.suppress(Exception):
@@ -218,14 +227,17 @@ class ThreadGroup:
     """Samplers of one ``thread_group`` and interval, collected in turn on one daemon thread.
 
     Each tick (every ``interval_s`` seconds, missed ticks skipped as in
-    :class:`SamplerRunner`) runs every member's :meth:`SamplerRunner.once` in the order they
-    joined; each publishes its own report, so the state, ``/metrics`` and the watchdog see
-    them as separate samplers. A member whose collection takes longer than ``interval_s``
-    leaves the group for its own thread (:meth:`SamplerRunner.leave_group`): after the
-    collection, or, through :meth:`check` (the watchdog), while it still runs, the group's
-    other members then going on on a new thread, so a slow or stuck member delays the
-    others by about one interval at most. A stopped member is closed by the group's thread
-    between ticks; the thread ends when the last member left.
+    :class:`SamplerRunner`) calls every member's :meth:`~agent.pipeline.Sampler.prepare`
+    (the gauge readers send their GETs), then runs every member's :meth:`SamplerRunner.once`
+    in the order they joined; each publishes its own report, so the state, ``/metrics``
+    and the watchdog see them as separate samplers. A member whose collection takes longer
+    than ``interval_s`` leaves the group for its own thread
+    (:meth:`SamplerRunner.leave_group`): after the collection, or, through :meth:`check`
+    (the watchdog), while it still runs, the group's other members then going on on a new
+    thread, so a slow or stuck member delays the others by about one interval at most. So
+    does the slowest member of a tick whose collections together took longer than
+    ``interval_s``. A stopped member is closed by the group's thread between ticks; the
+    thread ends when the last member left.
 
     Args:
         name: the group's name; its thread is ``sampler-<name>``.
@@ -317,6 +329,8 @@ class ThreadGroup:
         """One collection of every member; False when this thread was superseded meanwhile."""
         with self._lock:
             members = list(self._members)
+        for runner in members:
+            runner.prepare()
         spent = 0.0  # wall seconds of this tick's collections
         slowest: tuple[SamplerRunner | None, float] = (None, -1.0)
         for runner in members:

@@ -216,6 +216,40 @@ def test_thread_group_whose_tick_overruns_sheds_its_slowest_member():
         assert r.join(2.0)
 
 
+class Prepared(Grouped):
+    """A grouped sampler that logs its prepare and collect calls in one shared list."""
+
+    def __init__(self, name, log):
+        super().__init__(name)
+        self.log = log
+
+    def prepare(self) -> None:
+        self.log.append(("prepare", self.name))
+
+    def collect(self, batch: Batch) -> None:
+        self.log.append(("collect", self.name))
+        super().collect(batch)
+
+
+def test_thread_group_prepares_every_member_before_the_tick_collects():
+    events: list[tuple[str, str]] = []
+    state = AgentState(Timeline())
+    runners = Runners(state)
+    runners.apply({}, {"p-a": Prepared("p-a", events), "p-b": Prepared("p-b", events)})
+    time.sleep(0.3)
+    for r in runners.stop():
+        assert r.join(2.0)
+    ticks = [events[i : i + 4] for i in range(0, len(events) - 3, 4)]
+    assert len(ticks) >= 3
+    for tick in ticks:
+        assert tick == [
+            ("prepare", "p-a"),
+            ("prepare", "p-b"),
+            ("collect", "p-a"),
+            ("collect", "p-b"),
+        ]
+
+
 class Default(Counting):
     """A sampler with the default ``thread_group``; records the threads it ran on."""
 

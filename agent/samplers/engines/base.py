@@ -552,6 +552,23 @@ class EngineGaugeSampler(Sampler):
         if self._raw is not None:
             self._raw.close()
 
+    def prepare(self) -> None:
+        """Send this tick's GET ahead (:meth:`~.http.KeptAlive.send_ahead`) when it will read.
+
+        The thread group calls it for every engine before the reads, so the engines answer
+        while the thread reads the others; :meth:`collect` reads the response (one sent
+        more than half an interval before is not read: the GET is sent again).
+        """
+        eng = self._engine
+        if (
+            self._raw is not None
+            and self._normalizer is not None
+            and eng.detected_type == self._type
+            and eng.up
+            and any(n in eng.present for n in self._wanted)
+        ):
+            self._raw.send_ahead(ENGINE_TYPES[self._type or ""].metrics_path)
+
     def collect(self, batch: Batch) -> None:
         """Read the engine's gauges once and fill ``batch``; never raises for engine data."""
         eng = self._engine
@@ -565,7 +582,9 @@ class EngineGaugeSampler(Sampler):
         mapping = ENGINE_TYPES[self._type or ""]
         deadline = time.monotonic() + 0.9 * self.timeout_s
         res = (
-            self._raw.get(mapping.metrics_path, deadline, decode=False)
+            self._raw.get(
+                mapping.metrics_path, deadline, decode=False, ahead_max_age=self.interval_s / 2
+            )
             if self._raw is not None
             else None
         )

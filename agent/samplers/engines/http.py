@@ -280,17 +280,51 @@ class KeptAlive:
         )
         self._sock: socket.socket | None = None
         self._buf = bytearray()
+        self._ahead: tuple[bytes, float] | None = None  # a request sent, its response unread
 
     def close(self) -> None:
         """Close the kept connection (the next GET opens another)."""
         sock, self._sock = self._sock, None
         self._buf.clear()
+        self._ahead = None
         if sock is not None:
             with contextlib.suppress(OSError):
                 sock.close()
 
+    def send_ahead(self, path: str) -> bool:
+        """Send the GET of ``path`` now on the kept connection; :meth:`get` reads its response.
+
+        For a thread that reads several engines in turn: with every request sent first,
+        the engines answer while the thread reads the others, and it waits once, not once
+        per engine (8 engines' 51 KB GETs: 1.3-1.5 -> 1.0 ms of CPU per round here, 8.7 ->
+        3.5 context switches). Never blocks: only on a connection that is open, idle and
+        takes the whole request at once; anything else is left to :meth:`get`. Never raises.
+
+        Returns:
+            True when the request was sent.
+        """
+        sock = self._sock
+        if sock is None or self._ahead is not None or self._buf or not path.isascii():
+            return False
+        request = f"GET {path} HTTP/1.1\r\n".encode("ascii") + self._head
+        try:
+            sock.settimeout(0.0)
+            sent = sock.send(request)
+        except OSError:
+            sent = -1
+        if sent != len(request):
+            self.close()  # a partial request would corrupt the stream: start over in get()
+            return False
+        self._ahead = (request, time.monotonic())
+        return True
+
     def get(
-        self, path: str, deadline: float, max_bytes: int = MAX_BODY_BYTES, decode: bool = True
+        self,
+        path: str,
+        deadline: float,
+        max_bytes: int = MAX_BODY_BYTES,
+        decode: bool = True,
+        ahead_max_age: float = 0.0,
     ) -> HttpResult | None:
         """GET ``path`` by ``deadline`` (``time.monotonic()`` seconds); never raises.
 
@@ -300,6 +334,9 @@ class KeptAlive:
             max_bytes: bodies beyond this many bytes are not read (``too_large``).
             decode: False leaves the body undecoded in :attr:`HttpResult.raw` (a reader
                 that needs a few lines of it decodes only those).
+            ahead_max_age: the response of this GET sent by :meth:`send_ahead` at most this
+                many seconds ago is read; an older one (or another request's) is not: the
+                connection is closed and the GET sent afresh.
 
         Returns:
             An :class:`HttpResult` as :func:`http_get` returns it (reasons ``connect``,
@@ -309,10 +346,16 @@ class KeptAlive:
         if not self.usable or not path.isascii():
             return None
         request = f"GET {path} HTTP/1.1\r\n".encode("ascii") + self._head
+        ahead, sent = self._ahead, False
+        if ahead is not None:
+            sent = ahead[0] == request and time.monotonic() - ahead[1] <= ahead_max_age
+            if not sent:
+                self.close()  # its unread response would be taken for this one's
+            self._ahead = None
         reused = self._sock is not None
         try:
             try:
-                return self._exchange(request, deadline, max_bytes, decode)
+                return self._exchange(request, deadline, max_bytes, decode, sent)
             except _Stale:
                 self.close()
                 if not reused:
@@ -340,7 +383,12 @@ class KeptAlive:
     # -- one exchange ----------------------------------------------------------------------
 
     def _exchange(
-        self, request: bytes, deadline: float, max_bytes: int, decode: bool = True
+        self,
+        request: bytes,
+        deadline: float,
+        max_bytes: int,
+        decode: bool = True,
+        sent: bool = False,
     ) -> HttpResult:
         sock = self._sock
         if sock is None:
@@ -358,7 +406,8 @@ class KeptAlive:
             self._buf.clear()
         sock.settimeout(max(0.001, _left(deadline)))
         try:
-            sock.sendall(request)
+            if not sent:  # else send_ahead sent it on this connection
+                sock.sendall(request)
         except (BrokenPipeError, ConnectionResetError) as exc:
             raise _Stale from exc  # the engine closed the kept connection while idle
         head_end = self._fill_until(b"\r\n\r\n", deadline, _HEAD_MAX, fresh=True)
