@@ -153,6 +153,17 @@ class HistogramSnapshot:
         s = None if self.sum is None or base.sum is None else self.sum - base.sum
         return HistogramSnapshot(self.bounds, diff, s)
 
+    def below(self, base: HistogramSnapshot) -> bool:
+        """True when :meth:`minus` gives ``None``: the layouts differ or a bucket went down.
+
+        Answered without building the delta (a window's reset check, every scrape).
+        """
+        if base.bounds != self.bounds:
+            return True
+        if len(self.cumulative) == len(base.cumulative):
+            return any(map(_ABOVE, base.cumulative, self.cumulative))
+        return self.minus(base) is None
+
     def plus(self, other: HistogramSnapshot) -> HistogramSnapshot | None:
         """Return the bucket-wise sum (e.g. of two data-parallel ranks' window deltas).
 
@@ -175,6 +186,9 @@ class HistogramSnapshot:
 
 _NEGATIVE: Final = (0.0).__gt__
 """``d < 0`` as a C-level callable (``False`` for NaN, as ``d < 0`` is)."""
+_ABOVE: Final = operator.gt
+"""``b > c``: a bucket went down from ``b`` to ``c`` exactly when ``c - b < 0`` (for the
+finite or ``+inf`` non-negative counts of a snapshot: ``inf - inf`` is NaN, not below)."""
 
 _LAYOUTS: dict[tuple[float, ...], tuple[float, ...] | None] = {}
 _LAYOUTS_KEPT: Final = 4096
@@ -284,7 +298,7 @@ class WindowedHistogram:
             last = self._ring[-1]
             if t < last.t:
                 return False
-            if snap.minus(last.snap) is None:
+            if snap.below(last.snap):
                 reset = True
                 self.resets += 1
                 self._ring.clear()

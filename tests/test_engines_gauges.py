@@ -7,6 +7,7 @@ the captured expositions of every engine type.
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import socket
 import threading
@@ -20,6 +21,7 @@ import pytest
 from kvpressure.agent.samplers.engines.base import GAUGES, EngineSampler, gauge_lines
 from kvpressure.agent.samplers.engines.exposition import ParseResult
 from kvpressure.agent.samplers.engines.http import KeptAlive, LazyClient, tls_context
+from kvpressure.agent.samplers.engines.normalize import NormalizedScrape
 from kvpressure.agent.samples import Batch
 
 ENGINES = Path(__file__).parent / "fixtures" / "engines"
@@ -530,6 +532,100 @@ def test_reparse_equals_a_whole_parse_of_every_body_whatever_changed(
             assert got == classify_response(200, TEXT, body, want), body[:2000]
         assert reparse.parse(503, TEXT, text) == classify_response(503, TEXT, text)
     assert reused >= 10, "bodies that changed only in values were parsed whole"
+
+
+def _growing(text: str, steps: int) -> Iterator[str]:
+    """Bodies like ``text`` whose every value grows by 1 % a scrape (monotone histograms,
+    counters that count); ``process_start_time_seconds`` stays."""
+    lines = text.split("\n")
+    for step in range(steps):
+        out = []
+        for line in lines:
+            if not line or line[0] == "#" or " " not in line or "start_time" in line:
+                out.append(line)
+                continue
+            head, _, token = line.rpartition(" ")
+            try:
+                value = float(token)
+            except ValueError:
+                out.append(line)
+                continue
+            out.append(f"{head} {value * (1 + 0.01 * step)!r}")
+        yield "\n".join(out)
+
+
+def _infinite_buckets(text: str, steps: int) -> Iterator[str]:
+    """:func:`_growing` bodies in which, every third scrape, each histogram's first bucket
+    count is ``+Inf`` (lines otherwise equal: the parse keeps its shape)."""
+    for step, body in enumerate(_growing(text, steps)):
+        if step % 3 != 2:
+            yield body
+            continue
+        out, seen = [], set()
+        for line in body.split("\n"):
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            first = name.endswith("_bucket") and name not in seen
+            seen.add(name)
+            out.append(line.rpartition(" ")[0] + " +Inf" if first else line)
+        yield "\n".join(out)
+
+
+def _scrape_view(n: NormalizedScrape) -> tuple[object, ...]:
+    return (
+        [(s.name, s.labels, repr(s.value)) for s in n.samples],
+        n.models,
+        n.emitted,
+        n.emitted_labels,
+        n.missing,
+        n.invalid,
+        n.restarted,
+        n.merged,
+        n.models_dropped,
+        n.label_values_dropped,
+        n.withheld,
+    )
+
+
+@pytest.mark.parametrize("fixture", INPUTS)
+def test_normalizing_results_of_one_shape_equals_normalizing_each_afresh(fixture: str) -> None:
+    """What the normalizer keeps from a result's structure (ParseResult.shape: which
+    samples each rule reads, the histograms' series and bounds, labels, models) gives the
+    same scrapes as working all of it out again every time, over values that grow, values
+    that jump (resets, NaN, infinities, an infinite bucket count in a body of the same
+    shape), lines that change and a default model that changes."""
+    from kvpressure.agent.samplers.engines.base import engine_type_from_families
+    from kvpressure.agent.samplers.engines.exposition import Reparse, classify_response
+    from kvpressure.agent.samplers.engines.normalize import Normalizer
+    from kvpressure.agent.samplers.engines.registry import ENGINE_TYPES
+
+    full = (ENGINES / fixture).read_text()
+    etype = engine_type_from_families(classify_response(200, TEXT, full).family_names())
+    mapping = ENGINE_TYPES.get(etype) if etype else None
+    if mapping is None or not mapping.implemented:
+        pytest.skip("no mapping to normalize with")
+    wanted = mapping.reads()
+    shaped = 0
+    sequences = (
+        _growing(full, 16),
+        _infinite_buckets(full, 16),
+        _mutations(full, fixture, 16, 0.1),
+    )
+    for bodies in sequences:
+        reparse = Reparse()
+        cached = Normalizer(mapping, "e", "h:1", clock=lambda: 0.0)
+        fresh = Normalizer(mapping, "e", "h:1", clock=lambda: 0.0)
+        for k, body in enumerate(bodies):
+            result = reparse.parse(200, TEXT, body, wanted)
+            shaped += result.shape is not None and result.shape is getattr(
+                cached._cache, "shape", None
+            )
+            alone = dataclasses.replace(result, shape=None)
+            model = "m" if k < 10 else "n"
+            got = cached.normalize(result, model, now=k * 1.5)
+            want = fresh.normalize(alone, model, now=k * 1.5)
+            assert _scrape_view(got) == _scrape_view(want), (fixture, k)
+            assert cached.restarts == fresh.restarts
+    assert shaped >= 10, "no scrape reused a shape"
 
 
 def test_gauge_lines_of_undecoded_bytes_equal_those_of_the_decoded_body() -> None:

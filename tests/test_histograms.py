@@ -291,3 +291,20 @@ def test_minus_and_plus_bucket_by_bucket(a: list[float], b: list[float]) -> None
     assert got is None if any(d < 0 for d in diff) else got == snap(*diff, bounds=three)
     assert x.plus(y) == snap(*(p + q for p, q in zip(a, b, strict=True)), bounds=three)
     assert x.minus(snap(1, 2, bounds=(1.0, INF))) is None  # another layout
+
+
+_COUNTS = st.sampled_from([0.0, -0.0, 1.0, 2.0, 5.5, 1e308, math.inf])
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    st.lists(st.tuples(_COUNTS, _COUNTS), min_size=1, max_size=5),
+    st.booleans(),
+)
+def test_below_is_minus_giving_none(counts: list[tuple[float, float]], other_layout: bool) -> None:
+    # the window's reset check answers as the delta would, without building it
+    bounds = (*[0.5 * (i + 1) for i in range(len(counts) - 1)], math.inf)
+    new = HistogramSnapshot(bounds, tuple(c for c, _ in counts), 1.0)
+    base_bounds = (*bounds[:-1], 99.0, math.inf) if other_layout else bounds
+    base = HistogramSnapshot(base_bounds, tuple(b for _, b in counts) + (0.0,) * other_layout)
+    assert new.below(base) == (new.minus(base) is None)

@@ -246,6 +246,12 @@ class ParseResult:
         errors: details of the first :data:`MAX_ERRORS_KEPT` errors.
         skipped_families: families not in the caller's ``wanted`` set, not kept.
         skipped_samples: their samples (NaN excluded), counted in :attr:`sample_count`.
+        shape: ``None``, or a token :class:`Reparse` gives every result it built from one
+            template: results with the same token (``is``) have the same families (names,
+            types, HELP) with, in each, samples of the same names and the very same label
+            objects in the same order; only the values differ. So what a reader derives
+            from a result's structure alone (:class:`~.normalize.Normalizer`) holds for every
+            result of that token. Not compared by ``==``.
     """
 
     families: list[ParsedFamily] = field(default_factory=list)
@@ -255,6 +261,7 @@ class ParseResult:
     errors: list[ParseError] = field(default_factory=list)
     skipped_families: int = 0
     skipped_samples: int = 0
+    shape: object | None = field(default=None, compare=False)
 
     @property
     def usable(self) -> bool:
@@ -915,7 +922,7 @@ class Reparse:
     :data:`REPARSE_MAX_CHARS` keep none. Not thread-safe: one per sampler.
     """
 
-    __slots__ = ("_families", "_key", "_misses", "_probe", "_skipped", "_tries")
+    __slots__ = ("_families", "_key", "_misses", "_probe", "_shape", "_skipped", "_tries")
 
     MISSES: Final = 4
     """After this many bodies in a row that did not fit the last shape, only every
@@ -933,6 +940,7 @@ class Reparse:
         # (family name, type, help, [(value token index, sample name, labels)]) in body order
         self._families: list[tuple[str, str, str, list[tuple[int, str, Mapping[str, str]]]]] = []
         self._skipped = (0, 0)
+        self._shape: object | None = None  # ParseResult.shape of the template's results
 
     def parse(
         self,
@@ -974,7 +982,10 @@ class Reparse:
         key = (content_type, wanted, heads)
         if key == self._key and _numbers(tokens):
             result = ParseResult(
-                format="text", skipped_families=self._skipped[0], skipped_samples=self._skipped[1]
+                format="text",
+                skipped_families=self._skipped[0],
+                skipped_samples=self._skipped[1],
+                shape=self._shape,
             )
             for fname, ftype, fhelp, samples in self._families:
                 result.families.append(
@@ -1038,6 +1049,7 @@ class Reparse:
         self._key = key
         self._families = families
         self._skipped = (result.skipped_families, result.skipped_samples)
+        self._shape = result.shape = object()  # a new template: a new token
         return True
 
 

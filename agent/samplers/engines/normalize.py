@@ -433,6 +433,8 @@ class MetricIndex:
 
     Args:
         families: parsed families (see :mod:`agent.samplers.engines.exposition`).
+        plain: the caller knows the families repeat no series and carry no per-process
+            label (:attr:`plain` of an index of the same structure): neither is looked for.
 
     Attributes:
         duplicates: repeated samples dropped (copies beyond the one kept).
@@ -440,12 +442,29 @@ class MetricIndex:
         family_names: family names in body order.
     """
 
-    def __init__(self, families: Iterable[ParsedFamily]) -> None:
+    def __init__(self, families: Iterable[ParsedFamily], plain: bool = False) -> None:
         self._by_sample: dict[str, list[Series]] = {}
         self._by_family: dict[str, list[Series]] = {}
         self.family_names: list[str] = []
         self.duplicates = 0
         self.collapsed = 0
+        self.plain = True
+        """No repeated series and no per-process label: each sample filed as it came."""
+        if plain:
+            # the caller knows these families repeat no series and carry no per-process
+            # label (a result of the same ParseResult.shape had none): file each sample
+            for fam in families:
+                self.family_names.append(fam.name)
+                routes: dict[str, tuple[list[Series], list[Series] | None]] = {}
+                for name, labels, value, _ in fam.samples:
+                    route = routes.get(name)
+                    if route is None:
+                        route = routes[name] = self._route(name, fam)
+                    series = Series(name, labels, value, fam)
+                    route[0].append(series)
+                    if route[1] is not None:
+                        route[1].append(series)
+            return
         latest: dict[tuple[str, LabelPairs], Series] = {}
         per_process = False
         size = 0
@@ -453,7 +472,7 @@ class MetricIndex:
             self.family_names.append(fam.name)
             # each sample is filed under its names as it comes (one list per name and
             # family, looked up once); a repeated or per-process series files all again
-            routes: dict[str, tuple[list[Series], list[Series] | None]] = {}
+            routes = {}
             for s in fam.samples:
                 name, labels, value, _ = s
                 # a LabelSet from the fast parser carries its sorted pairs (one per text)
@@ -479,6 +498,7 @@ class MetricIndex:
                             per_process = True
         if not per_process and not self.duplicates:  # the common case: filed already
             return
+        self.plain = False
         self._by_sample.clear()
         self._by_family.clear()
         if not per_process:
@@ -850,6 +870,50 @@ class _Pending:
     order: LabelPairs
 
 
+_Static = tuple[LabelPairs, LabelPairs, tuple[str, LabelPairs], str | None]
+"""Per series of a gauge or counter rule: extra output labels, sorted raw pairs, counter
+key, model."""
+
+
+@dataclass(slots=True)
+class _ShapeCache:
+    """What :meth:`Normalizer.normalize` derived from the structure of one result shape.
+
+    Everything here depends on the families' names, types, HELP and label sets, never on a
+    value, so it holds for every result of :attr:`ParseResult.shape` ``shape`` (with the
+    same default model); per-scrape values are read afresh. Entries are filled on the first
+    scrape of a shape and read on the next ones, keyed by the rule's index in the mapping.
+    """
+
+    shape: object
+    default_model: str | None
+    plain: bool
+    resolved: dict[int, tuple[str, str, tuple[int, ...] | None] | None] = field(
+        default_factory=dict
+    )
+    """Gauge or counter rule -> (source used, index key, positions of the matching samples
+    in that key's list, or None for all of them); None: no source present."""
+    hist_resolved: dict[int, tuple[str, str, tuple[int, ...] | None, tuple[int, ...] | None]] = (
+        field(default_factory=dict)
+    )
+    """Histogram rule -> (base name used, bucket index key, bucket positions, ``_sum``
+    positions), absent from the dict when no source is present."""
+    statics: dict[int, list[_Static | None]] = field(default_factory=dict)
+    """Gauge or counter rule -> per resolved series, :data:`_Static` (None: a kept label
+    missing, the series is skipped)."""
+    layouts: dict[
+        int,
+        tuple[
+            list[tuple[LabelPairs, list[int], list[float], tuple[LabelPairs, str | None] | None]],
+            list[LabelPairs],
+            set[str],
+        ],
+    ] = field(default_factory=dict)
+    """Histogram rule -> (per raw series in body order: its key, its buckets' positions,
+    bounds (scaled) and (extra labels, model) or None; the ``_sum`` samples' keys; the
+    models of its buckets)."""
+
+
 class Normalizer:
     """Applies one :class:`EngineMapping` to successive scrapes of one endpoint.
 
@@ -916,6 +980,8 @@ class Normalizer:
             tuple[str | None, LabelPairs, tuple[float, ...]],
             tuple[tuple[tuple[tuple[str, str], ...], LabelPairs], ...],
         ] = {}
+        # what the last result's structure gave, for results of the same shape
+        self._cache: _ShapeCache | None = None
 
     @property
     def capped_labels(self) -> tuple[str, ...]:
@@ -949,7 +1015,14 @@ class Normalizer:
         self._scrape += 1
         self.tracker.begin()
         out = NormalizedScrape()
-        index = MetricIndex(result.families)
+        shape, cache = result.shape, self._cache
+        if cache is not None and (cache.shape is not shape or cache.default_model != default_model):
+            cache = None  # another structure (or none known): derived afresh below
+        index = MetricIndex(result.families, plain=cache is not None and cache.plain)
+        if cache is None:
+            cache = self._cache = (
+                None if shape is None else _ShapeCache(shape, default_model, index.plain)
+            )
         out.merged = {MERGE_DUPLICATE: index.duplicates, MERGE_PER_PROCESS: index.collapsed}
         self._log_merges(index)
 
@@ -964,34 +1037,33 @@ class Normalizer:
         restarted = force_reset
 
         pending: list[_Pending] = []
-        histograms: list[tuple[Rule, str, list[Series], list[Series]]] = []
-        for rule in self.mapping.rules:
+        histograms: list[tuple[int, Rule, str, list[Series], list[Series]]] = []
+        for i, rule in enumerate(self.mapping.rules):
             if rule.kind == "histogram":
-                used, buckets, sums = self._resolve_histogram(index, rule)
+                used, buckets, sums = self._resolve_histogram(index, rule, i, cache)
                 if buckets:
-                    histograms.append((rule, used, buckets, sums))
+                    histograms.append((i, rule, used, buckets, sums))
                 else:
                     out.missing.append(rule.canonical)
                 continue
-            used, series = self._resolve(index, rule)
+            used, series = self._resolve(index, rule, i, cache)
             if not series:
                 out.missing.append(rule.canonical)
                 continue
-            pending_rule, reset = self._values(rule, used, series, default_model, force_reset, out)
+            pending_rule, reset = self._values(
+                rule, used, series, default_model, force_reset, out, i, cache
+            )
             pending.extend(pending_rule)
             restarted = restarted or reset
 
-        admitted = self._admit(
-            {p.model for p in pending if p.model is not None}
-            | {
-                m
-                for r, _, b, _ in histograms
-                if r.per_model
-                for m in self._models_of(b, default_model)
-            },
-            pending,
-            out,
-        )
+        present = {p.model for p in pending if p.model is not None}
+        for i, rule, _, buckets, _ in histograms:
+            if rule.per_model:
+                layout = cache.layouts.get(i) if cache is not None else None
+                present |= (
+                    layout[2] if layout is not None else self._models_of(buckets, default_model)
+                )
+        admitted = self._admit(present, pending, out)
         groups: dict[GroupKey, list[_Pending]] = {}
         for p in pending:
             if p.model is not None and p.model not in admitted:
@@ -1017,9 +1089,11 @@ class Normalizer:
                 continue
             self._emit(out, canonical, model, value, extra)
 
-        for rule, used, buckets, sums in histograms:
+        for i, rule, used, buckets, sums in histograms:
             restarted = (
-                self._histogram(out, rule, used, buckets, sums, default_model, admitted, t)
+                self._histogram(
+                    out, rule, used, buckets, sums, default_model, admitted, t, i, cache
+                )
                 or restarted
             )
 
@@ -1057,7 +1131,23 @@ class Normalizer:
         default_model: str | None,
         force_reset: bool,
         out: NormalizedScrape,
+        index: int = -1,
+        cache: _ShapeCache | None = None,
     ) -> tuple[list[_Pending], bool]:
+        statics = cache.statics.get(index) if cache is not None else None
+        if statics is None:
+            # per series, what its labels alone give (the same for every scrape of a shape)
+            statics = []
+            for s in series:
+                extra = _extra_labels(rule, s.labels)
+                if extra is None:
+                    statics.append(None)
+                    continue
+                order = label_pairs(s.labels)
+                model = self._model_of(s.labels, default_model) if rule.per_model else None
+                statics.append((extra, order, (rule.canonical + "|" + used, order), model))
+            if cache is not None:
+                cache.statics[index] = statics
         kind = rule.kind
         if kind == "counter" and looks_like_gauge(used, series[0].family.help):
             kind = "gauge"
@@ -1070,7 +1160,7 @@ class Normalizer:
             )
         pending: list[_Pending] = []
         restarted = False
-        for s in series:
+        for s, static in zip(series, statics, strict=True):
             value = s.value
             if not math.isfinite(value):
                 continue
@@ -1088,34 +1178,50 @@ class Normalizer:
                     rule.valid,
                 )
                 continue
-            extra = _extra_labels(rule, s.labels)
-            if extra is None:
-                continue
-            order = label_pairs(s.labels)
+            if static is None:
+                continue  # a kept label is missing
+            extra, order, key, model = static
             if kind == "counter":
-                key = (rule.canonical + "|" + used, order)
                 upd = self.tracker.update(key, value, force_reset)
                 value = upd.value
                 restarted = restarted or upd.reset
-            model = self._model_of(s.labels, default_model) if rule.per_model else None
             pending.append(
                 _Pending(rule.canonical, rule.combine, rule.scale, model, extra, value, order)
             )
         return pending, restarted
 
-    def _resolve(self, index: MetricIndex, rule: Rule) -> tuple[str, list[Series]]:
-        """The first source with a sample matching ``rule.labels``, and those samples."""
+    def _resolve(
+        self, index: MetricIndex, rule: Rule, i: int = -1, cache: _ShapeCache | None = None
+    ) -> tuple[str, list[Series]]:
+        """The first source with a sample matching ``rule.labels``, and those samples.
+
+        With ``cache`` (the result's shape), rule ``i``'s answer is worked out once per shape:
+        which source and which of its samples, by position.
+        """
+        if cache is not None and i in cache.resolved:
+            hit = cache.resolved[i]
+            if hit is None:
+                return rule.sources[0] if rule.sources else "", []
+            used, key, positions = hit
+            got = index.exact(key)
+            return used, got if positions is None else [got[j] for j in positions]
         for source in rule.sources:
             name, wanted = parse_source(source)
             used, series, duplicate = index.find(name)
             wanted = rule.labels + wanted
+            positions = None
             if wanted:
-                series = [s for s in series if _matches(s.labels, wanted)]
+                positions = tuple(j for j, s in enumerate(series) if _matches(s.labels, wanted))
+                series = [series[j] for j in positions]
             if not series:
                 continue
             if duplicate:
                 self._warn_duplicate(name, used)
+            if cache is not None:
+                cache.resolved[i] = (used, used, positions)
             return used, series
+        if cache is not None:
+            cache.resolved[i] = None
         return rule.sources[0] if rule.sources else "", []
 
     def _log_merges(self, index: MetricIndex) -> None:
@@ -1156,25 +1262,86 @@ class Normalizer:
     # -- histograms --------------------------------------------------------------------------
 
     def _resolve_histogram(
-        self, index: MetricIndex, rule: Rule
+        self, index: MetricIndex, rule: Rule, i: int = -1, cache: _ShapeCache | None = None
     ) -> tuple[str, list[Series], list[Series]]:
+        if cache is not None and i in cache.hist_resolved:
+            used, key, bucket_at, sum_at = cache.hist_resolved[i]
+            if not key:
+                return "", [], []
+            buckets, sums = index.exact(key), index.exact(used + "_sum")
+            return (
+                used,
+                buckets if bucket_at is None else [buckets[j] for j in bucket_at],
+                sums if sum_at is None else [sums[j] for j in sum_at],
+            )
         for source in rule.sources:
             name, wanted = parse_source(source)
             used, buckets, sums, duplicate = index.histogram(name)
             wanted = rule.labels + wanted
+            bucket_at = sum_at = None
             if wanted:
-                buckets = [s for s in buckets if _matches(s.labels, wanted)]
-                sums = [s for s in sums if _matches(s.labels, wanted)]
+                bucket_at = tuple(j for j, s in enumerate(buckets) if _matches(s.labels, wanted))
+                sum_at = tuple(j for j, s in enumerate(sums) if _matches(s.labels, wanted))
+                buckets = [buckets[j] for j in bucket_at]
+                sums = [sums[j] for j in sum_at]
             if not buckets:
                 continue
             if duplicate:
                 self._warn_duplicate(name, used)
+            if cache is not None:
+                cache.hist_resolved[i] = (used, used + "_bucket", bucket_at, sum_at)
             return used, buckets, sums
+        if cache is not None:
+            cache.hist_resolved[i] = ("", "", None, None)
         return "", [], []
 
     def _models_of(self, buckets: list[Series], default_model: str | None) -> set[str]:
         models = {self._model_of(s.labels, default_model) for s in buckets}
         return {m for m in models if m is not None}
+
+    def _histogram_layout(
+        self,
+        rule: Rule,
+        buckets: list[Series],
+        sums: list[Series],
+        default_model: str | None,
+        values: list[float],
+    ) -> tuple[
+        list[tuple[LabelPairs, list[int], list[float], tuple[LabelPairs, str | None] | None]],
+        list[LabelPairs],
+        set[str],
+    ]:
+        """How a histogram rule's buckets group into series (:attr:`_ShapeCache.layouts`).
+
+        Returns:
+            Per raw series in body order: its key, the positions of its buckets (those with
+            a bound and a finite count), its bounds (scaled) and its (extra labels, model),
+            None when a kept label is missing; the ``_sum`` samples' keys; the buckets'
+            models.
+        """
+        # the labels' bucket key is worked out once per label text by the parser's LabelSet
+        raw: dict[LabelPairs, tuple[list[int], list[float]]] = {}
+        scale = rule.scale
+        isfinite = math.isfinite
+        for j, s in enumerate(buckets):
+            key, le = bucket_key(s.labels)
+            if le is None or not isfinite(values[j]):
+                continue
+            columns = raw.get(key)
+            if columns is None:
+                columns = raw[key] = ([], [])
+            columns[0].append(j)
+            columns[1].append(le * scale if scale != 1.0 and isfinite(le) else le)
+        series: list[
+            tuple[LabelPairs, list[int], list[float], tuple[LabelPairs, str | None] | None]
+        ] = []
+        for key, (positions, bounds) in raw.items():
+            labels = dict(key)
+            extra = _extra_labels(rule, labels)
+            model = self._model_of(labels, default_model) if rule.per_model else None
+            series.append((key, positions, bounds, None if extra is None else (extra, model)))
+        models = self._models_of(buckets, default_model) if rule.per_model else set()
+        return series, [label_pairs(s.labels) for s in sums], models
 
     def _histogram(
         self,
@@ -1186,35 +1353,35 @@ class Normalizer:
         default_model: str | None,
         admitted: set[str],
         now: float,
+        index: int = -1,
+        cache: _ShapeCache | None = None,
     ) -> bool:
-        """Window one histogram rule's series and emit its quantiles; True on a reset."""
-        # per series: its bounds and counts in body order (the labels' bucket key is
-        # worked out once per label text by the parser's LabelSet)
-        raw: dict[LabelPairs, tuple[list[float], list[float]]] = {}
-        scale = rule.scale
+        """Window one histogram rule's series and emit its quantiles; True on a reset.
+
+        With ``cache`` (the result's shape) the grouping of the buckets into series, their
+        bounds and each series' labels are worked out once per shape; a scrape whose counts
+        are not all finite is grouped afresh (a non-finite count leaves its bucket out).
+        """
         isfinite = math.isfinite
-        for s in buckets:
-            key, le = bucket_key(s.labels)
-            count = s.value
-            if le is None or not isfinite(count):
-                continue
-            columns = raw.get(key)
-            if columns is None:
-                columns = raw[key] = ([], [])
-            columns[0].append(le * scale if scale != 1.0 and isfinite(le) else le)
-            columns[1].append(count)
-        sum_of = {label_pairs(s.labels): s.value for s in sums}
+        layout = cache.layouts.get(index) if cache is not None else None
+        values = [s.value for s in buckets]
+        finite = all(map(isfinite, values))
+        if layout is None or not finite:
+            layout = self._histogram_layout(rule, buckets, sums, default_model, values)
+            if cache is not None and finite:
+                cache.layouts[index] = layout
+        series, sum_keys, _ = layout
+        sum_of = dict(zip(sum_keys, [s.value for s in sums], strict=True))
         reset_seen = False
         group_deltas: dict[tuple[str | None, LabelPairs], list[HistogramSnapshot | None]] = {}
         group_totals: dict[tuple[str | None, LabelPairs], list[HistogramSnapshot | None]] = {}
-        for key, (bounds, counts) in raw.items():
-            labels = dict(key)
-            extra = _extra_labels(rule, labels)
-            if extra is None:
+        for key, positions, bounds, labelled in series:
+            if labelled is None:
                 continue
-            model = self._model_of(labels, default_model) if rule.per_model else None
+            extra, model = labelled
             if model is not None and model not in admitted:
                 continue
+            counts = [values[j] for j in positions]
             total = sum_of.get(key)
             if total is not None and not (math.isfinite(total) and total >= 0):
                 total = None  # a latency sum cannot be negative or infinite: absent, not used
