@@ -1110,3 +1110,80 @@ def test_engine_pids_are_asked_for_when_a_gpu_process_appears_or_the_answer_is_o
     clock.tick(ENGINE_PIDS_MAX_AGE_S)  # an old answer is asked for again
     collect(s)
     assert len(calls) == 3
+
+
+def _read_report_before(samples, sources):
+    """``accelerator._read_report`` as it was before its one-pass rewrite (the reference)."""
+    from kvpressure.agent import catalogue as m
+    from kvpressure.agent.samplers import accelerator as acc
+
+    gpus, leaves = {}, {}
+    samples = list(samples)
+    for s in samples:
+        if s.name == m.GPU_UP:
+            g = gpus.setdefault(acc._label(s.labels, "gpu") or "", acc._Gpu())
+            if s.value < 1:
+                g.up = False
+            elif acc._label(s.labels, "uuid") is not None:
+                leaf = acc._Leaf(s.labels, acc._label(s.labels, "mig"))
+                leaves[s.labels] = leaf
+                g.leaves.append(leaf)
+                g.mig_enabled = g.mig_enabled or leaf.mig is not None
+    for s in samples:
+        kind = acc._KIND.get(s.name)
+        if kind is None:
+            continue
+        labels = s.labels
+        device = tuple((k, v) for k, v in labels if k in acc._DEVICE_KEYS)
+        if kind == "links":
+            owner = gpus.get(acc._label(labels, "gpu") or "")
+            if owner is not None:
+                owner.totals[(acc._LINKS[s.name], acc._label(labels, "direction") or "")] = s.value
+            continue
+        dev = leaves.get(device)
+        if dev is None:
+            continue
+        if kind == "utilization":
+            dev.utilization = s.value
+        elif kind == "bandwidth":
+            if acc._label(labels, "source") == "gpm":
+                dev.bandwidth = s.value
+        elif kind == "sm":
+            dev.sm_occupancy = s.value
+        elif kind == "clock":
+            owner = gpus.get(acc._label(labels, "gpu") or "")
+            if owner is not None and dev.mig is None:
+                owner.clocks[acc._label(labels, "reason") or ""] = s.value
+        elif kind == "process":
+            engine = acc._label(labels, "engine")
+            if engine is not None:
+                dev.engines.add(engine)
+        elif kind == "memory":
+            dev.memory[acc._MEMORY[s.name]] = s.value
+    for status in sources:
+        index, _, what = status.source.removeprefix("gpu").partition(".")
+        found = gpus.get(index)
+        if found is None or status.state != "unsupported":
+            continue
+        if what == "nvlink":
+            found.nvlink_unsupported = True
+        elif what == "utilization" and status.reason == "mig_enabled":
+            found.mig_enabled = True
+    return gpus
+
+
+@pytest.mark.parametrize("profile", list_profiles())
+def test_one_pass_read_of_a_gpu_report_equals_the_two_pass_one(profile):
+    from kvpressure.agent.samplers.accelerator import _read_report
+
+    engines = Engines()
+    engines.set("vllm", running=4, waiting=1, prompt=100, generation=50)
+    sampler, _fake, clock = make(profile, state_view=engines.view)
+    for _ in range(6):
+        b = Batch()
+        sampler.gpu.collect(b)
+        assert _read_report(b.samples, b.sources) == _read_report_before(b.samples, b.sources)
+        # a report whose samples come in another order reads the same too
+        back = list(reversed(b.samples))
+        assert _read_report(back, b.sources) == _read_report_before(back, b.sources)
+        clock.tick(1.0)

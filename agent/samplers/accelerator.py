@@ -287,32 +287,43 @@ def _read_report(samples: Iterable[Sample], sources: Iterable[SourceStatus]) -> 
     """Group one GPU report's samples by physical GPU (``gpu`` label) and device."""
     gpus: dict[str, _Gpu] = {}
     leaves: dict[Labels, _Leaf] = {}
-    samples = list(samples)
-    for s in samples:
-        if s.name == m.GPU_UP:
-            g = gpus.setdefault(_label(s.labels, "gpu") or "", _Gpu())
-            if s.value < 1:
-                g.up = False
-            elif _label(s.labels, "uuid") is not None:
-                leaf = _Leaf(s.labels, _label(s.labels, "mig"))
-                leaves[s.labels] = leaf
-                g.leaves.append(leaf)
-                g.mig_enabled = g.mig_enabled or leaf.mig is not None
     cache = _DEVICE_OF
     if len(cache) > MAX_DEVICES * 16:
         cache.clear()
+    # one pass sorts out the samples read here (most of a report is not)
+    ups: list[Sample] = []
+    typed: list[tuple[str, Sample]] = []
+    kind_of = _KIND.get
     for s in samples:
-        kind = _KIND.get(s.name)
-        if kind is None:
-            continue
+        kind = kind_of(s.name)
+        if kind is not None:
+            typed.append((kind, s))
+        elif s.name == m.GPU_UP:
+            ups.append(s)
+    for s in ups:
+        g = gpus.setdefault(_label(s.labels, "gpu") or "", _Gpu())
+        if s.value < 1:
+            g.up = False
+        elif _label(s.labels, "uuid") is not None:
+            leaf = _Leaf(s.labels, _label(s.labels, "mig"))
+            leaves[s.labels] = leaf
+            g.leaves.append(leaf)
+            g.mig_enabled = g.mig_enabled or leaf.mig is not None
+    for kind, s in typed:
         labels = s.labels
-        device = cache.get(labels)
-        if device is None:
-            device = cache[labels] = tuple((k, v) for k, v in labels if k in _DEVICE_KEYS)
+        known = cache.get(labels)
+        if known is None:
+            # a label set's device part and its values by name, worked out once (the GPU
+            # sampler keeps its label tuples from cycle to cycle)
+            known = cache[labels] = (
+                tuple((k, v) for k, v in labels if k in _DEVICE_KEYS),
+                dict(reversed(labels)),  # the first of a repeated name, as _label reads
+            )
+        device, named = known
         if kind == "links":
-            owner = gpus.get(_label(labels, "gpu") or "")
+            owner = gpus.get(named.get("gpu") or "")
             if owner is not None:
-                owner.totals[(_LINKS[s.name], _label(labels, "direction") or "")] = s.value
+                owner.totals[(_LINKS[s.name], named.get("direction") or "")] = s.value
             continue
         dev = leaves.get(device)
         if dev is None:
@@ -320,16 +331,16 @@ def _read_report(samples: Iterable[Sample], sources: Iterable[SourceStatus]) -> 
         if kind == "utilization":
             dev.utilization = s.value
         elif kind == "bandwidth":
-            if _label(labels, "source") == "gpm":
+            if named.get("source") == "gpm":
                 dev.bandwidth = s.value
         elif kind == "sm":
             dev.sm_occupancy = s.value
         elif kind == "clock":
-            owner = gpus.get(_label(labels, "gpu") or "")
+            owner = gpus.get(named.get("gpu") or "")
             if owner is not None and dev.mig is None:
-                owner.clocks[_label(labels, "reason") or ""] = s.value
+                owner.clocks[named.get("reason") or ""] = s.value
         elif kind == "process":
-            engine = _label(labels, "engine")
+            engine = named.get("engine")
             if engine is not None:
                 dev.engines.add(engine)
         elif kind == "memory":
@@ -346,8 +357,9 @@ def _read_report(samples: Iterable[Sample], sources: Iterable[SourceStatus]) -> 
     return gpus
 
 
-_DEVICE_OF: dict[Labels, Labels] = {}
-"""Labels -> their ``gpu``/``uuid``/``mig`` part (the GPU sampler reuses label tuples)."""
+_DEVICE_OF: dict[Labels, tuple[Labels, dict[str, str]]] = {}
+"""Labels -> their ``gpu``/``uuid``/``mig`` part and their values by name (the GPU sampler
+reuses label tuples)."""
 _MEMORY: Final = {
     m.GPU_MEMORY_TOTAL_BYTES: "total",
     m.GPU_MEMORY_USED_BYTES: "used",
