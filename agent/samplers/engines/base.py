@@ -285,6 +285,16 @@ class EngineSampler(Sampler):
         finally:
             self._lock.release()
 
+    def prepare(self) -> None:
+        """Send this cycle's metrics GET ahead (:meth:`~.http.KeptAlive.send_ahead`).
+
+        The thread group calls it for every engine before their scrapes, so the engines
+        answer while the thread reads the others; :meth:`collect` reads the response.
+        """
+        if self._raw is not None:
+            mapping = self._mapping()
+            self._raw.send_ahead(mapping.metrics_path if mapping else DEFAULT_METRICS_PATH)
+
     def gauge_sampler(self, interval_s: float) -> EngineGaugeSampler:
         """A sampler of this engine's KV usage, running and waiting requests every ``interval_s``.
 
@@ -481,7 +491,7 @@ class EngineSampler(Sampler):
             if deadline - time.monotonic() <= 0.01:
                 return HttpResult(None, None, "", "timeout")
             if self._raw is not None:
-                got = self._raw.get(path, deadline)
+                got = self._raw.get(path, deadline, ahead_max_age=self.interval_s / 2)
                 if got is not None:
                     return got
             left = deadline - time.monotonic()
