@@ -77,7 +77,13 @@ so a decode above the noise the unslowed ones show is that wait, not the fit's e
 the KV-starved CPU vLLM the first requests to be readmitted lost 45 % of their decode to
 the wait and still read only 1.1-1.5 times the fitted cost, which the fit of short calm
 decodes put above their real unslowed cost.) A request known not to have been preempted,
-or whose count is unknown, is judged as any other.
+or whose count is unknown, is judged as any other, unless the engine's count is known for
+the requests that finished with it: when every request the engine finished between the two
+samples around its end is one the caller has a record of, and they were preempted at least
+once between them (``shared_preemptions``), each of them is judged as preempted. Requests
+that finish together are those that decoded together, so they shared the shortage; one that
+was not preempted is still slow only above the fit's tail (``quantile_q'`` of the unslowed
+ratio), which an unslowed decode rarely reaches.
 
 ``q`` is higher than the single-latency baseline's usual p95: up to six phases of every
 request are judged, and a request is slow when any one is, so each phase's tail must be
@@ -704,6 +710,7 @@ class SlowDetector:
         neighbours: Sequence[RequestRecord] | None = None,
         preempted: Sequence[tuple[float, float]] = (),
         own_preemptions: int | None = None,
+        shared_preemptions: int = 0,
     ) -> Verdict | None:
         """Judge every phase of ``record``; learn from it when no phase was slow.
 
@@ -721,6 +728,10 @@ class SlowDetector:
             own_preemptions: how many times the engine preempted this request (vLLM's
                 ``request_num_preemptions``), ``None`` when unknown; at least 1 judges its
                 decode phases without ``baseline_factor`` (module docstring).
+            shared_preemptions: when ``own_preemptions`` is ``None``: the preemptions of the
+                requests that finished with this one between two engine samples, every one
+                of them known to the caller (0: none, or not known); at least 1 judges its
+                decode phases as ``own_preemptions`` >= 1 does.
 
         Returns:
             ``None`` when the record has neither TTFT nor end-to-end latency.
@@ -728,7 +739,10 @@ class SlowDetector:
         r = record
         if r.ttft_s is None and r.e2e_s is None:
             return None
-        preempted_self = own_preemptions is not None and own_preemptions >= 1
+        if own_preemptions is not None:
+            preempted_self = own_preemptions >= 1
+        else:
+            preempted_self = shared_preemptions >= 1
         judged: list[PhaseVerdict] = []
         learn: list[tuple[str, float, float, float]] = []
 
@@ -840,7 +854,8 @@ class SlowDetector:
             log.debug(
                 "judged %s request %.3f-%.3f (in %s, out %s, preempted %s): %s",
                 r.engine, r.start, r.end, r.input_tokens, r.output_tokens,
-                "?" if own_preemptions is None else own_preemptions,
+                own_preemptions if own_preemptions is not None
+                else f"? ({shared_preemptions} shared)" if shared_preemptions else "?",
                 "; ".join(
                     f"{p.phase} {p.value_s:.4g} {'>' if p.value_s > p.threshold_s else '<='}"
                     f" {p.threshold_s:.4g} ({p.basis}, expected {_g(p.expected_s)},"
