@@ -99,7 +99,9 @@ expected cost of each phase is its own cost (the fit above) plus the co-schedule
 its span, at the share that is usual for this engine::
 
     work(a, b)   = sum over the engine's other requests o (the caller's ``neighbours``) of
-                   prefill_cost(uncached(o)) x |o's prefill span in [a, b]| / |o's span|
+                   prefill(o) x |o's prefill span in [a, b]| / |o's span|
+    prefill(o)   = min(o's own prefill time, tail_cost(uncached(o))); tail_cost(uncached(o))
+                   when the engine did not say how long o's prefill took
     share        = min(1, tolerance x usual / recent)
     usual        = mean work over the whole life of the requests before the latest 32
                    (up to N; those slow even with all their co-scheduled work excused are
@@ -108,8 +110,12 @@ its span, at the share that is usual for this engine::
     threshold'   = threshold(x) + share x work(phase span)
     slow         = value > threshold'
 
-``prefill_cost`` is the engine's prefill fit (else its TTFT fit): the work is counted at the
-engine's usual speed, so a blocker slowed by a fault excuses no more than usual. For
+``tail_cost`` is the engine's prefill fit (else its TTFT fit) at its tail,
+``quantile_q(ratio) x expected`` without the factor: the most a prefill of that size costs
+when it is not slow. So a blocker slowed by a fault excuses no more than a normal prefill
+could, and one a little slower than the fit's median (it shared the engine too: 3.29 s for
+a 1,650-token prompt fitted at 3.05 s on llama.cpp) is excused whole; counted at the median,
+the difference made the short request it held up slow (2 of 60 in a calm mixed run). For
 ``tpot`` the work is spread over the decode's tokens; for ``itl_max`` only the largest one
 neighbour's part counts (one prefill falls into one gap). ``tolerance`` (2) is how much
 more co-scheduled work than usual the engine may carry before the excess stops being
@@ -509,21 +515,23 @@ def coscheduled_work(
     neighbours: Iterable[RequestRecord],
     cost: Callable[[float], float],
 ) -> tuple[float, float]:
-    """Other requests' prefill work the engine did in ``[a, b]``, seconds at its usual cost.
+    """Other requests' prefill work the engine did in ``[a, b]``, seconds, at most a normal cost.
 
     Each other record ``o`` of ``record``'s engine with a known uncached prompt and a
     prefill span (``prefill_s`` before its first token, else arrival to first token)
-    contributes ``cost(uncached(o)) x overlap / len(o's prefill span)``: its prefill at the
-    engine's fitted cost, spread evenly over its span, for the part of the span inside
-    ``[a, b]`` (all of it when the span has no length and lies inside). The fitted cost
-    rather than the span's own length, so a prefill slowed by a fault is not excused.
+    contributes ``prefill x overlap / len(o's prefill span)``: its prefill, spread evenly
+    over its span, for the part of the span inside ``[a, b]`` (all of it when the span has
+    no length and lies inside). ``prefill`` is ``min(o.prefill_s, cost(uncached(o)))``, or
+    ``cost(uncached(o))`` without a ``prefill_s``: never more than ``cost``, so a prefill
+    slowed by a fault is not excused past what a normal one costs.
 
     Args:
         record: the request judged (never its own neighbour).
         a: start of the phase's span, Unix seconds.
         b: end of the span.
         neighbours: other requests (any engine; others are skipped).
-        cost: fitted prefill seconds of an uncached prompt of that many tokens.
+        cost: the most seconds an uncached prompt of that many tokens costs to prefill
+            when it is not slow (the prefill fit's tail).
 
     Returns:
         ``(total, largest)``: the sum over the neighbours and the largest single
@@ -547,7 +555,10 @@ def coscheduled_work(
         else:
             share = 1.0 if a <= span[0] <= b else 0.0
         if share > 0:
-            part = share * cost(float(tokens))
+            normal = cost(float(tokens))
+            if o.prefill_s is not None and o.prefill_s >= 0:
+                normal = min(normal, o.prefill_s)
+            part = share * normal
             total += part
             largest = max(largest, part)
     return total, largest
@@ -685,14 +696,16 @@ class SlowDetector:
         return 0 if m is None else len(m.points)
 
     def _prefill_cost(self, engine: str) -> Callable[[float], float] | None:
-        """Fitted seconds of an uncached prompt of ``x`` tokens on ``engine``, or ``None``.
+        """Most seconds a not-slow uncached prompt of ``x`` tokens costs, or ``None``.
 
-        The prefill fit, else the TTFT fit, once it has ``baseline_min_requests`` points.
+        The prefill fit, else the TTFT fit, once it has ``baseline_min_requests`` points:
+        its tail (``quantile_q(ratio) x expected``, no factor, no floor).
         """
         for phase in ("prefill", "ttft"):
             m = self._models.get((engine, phase))
             if m is not None and len(m.points) >= self.min_requests:
-                return m.expected
+                model, q = m, self.q
+                return lambda x: model.threshold(x, q, 1.0, 0.0)[0]
         return None
 
     def _coscheduled(self, engine: str) -> CoScheduledLoad:
