@@ -108,7 +108,8 @@ def test_a_request_slow_in_one_phase_teaches_no_phase():
 
 def _batch_slope_after_preemption(preempted: bool) -> tuple[SlowDetector, Verdict | None]:
     """Calm 16-token decodes at batch 2; then, at batch 20 while the engine preempts, five
-    1,200-token decodes at 1.4x (under the threshold on their own); then one at 2.1x."""
+    1,200-token decodes at 1.4x (under the threshold with the safety factor, over it
+    beside the preemptions); then one at 2.1x."""
     d = SlowDetector()
     for i in range(60):
         v = d.judge(span(i, 0.01, 15 * 0.003 * (1 + 0.02 * (i % 3)), out=16), batch=2)
@@ -116,7 +117,7 @@ def _batch_slope_after_preemption(preempted: bool) -> tuple[SlowDetector, Verdic
     storm = [(T + 99.0, T + 140.0)] if preempted else []
     for i in range(5):
         v = d.judge(span(100 + i, 0.01, 1199 * 0.0042, out=1200), batch=20, preempted=storm)
-        assert v is not None and not v.slow
+        assert v is not None and v.slow == preempted
     # later, still at batch 20: preemptions were counted during its decode (a fresh wave)
     later = [(T + 149.0, T + 150.0)] if preempted else []
     return d, d.judge(span(148, 0.01, 1199 * 0.0063, out=1200), batch=20, preempted=later)
@@ -171,7 +172,9 @@ def test_the_sampler_tells_the_detector_when_the_engine_preempted():
     assert detector.baseline_size(ENG, "tpot") == 1
 
 
-def _calm_then_first_wave(own: int | None, shared: int = 0) -> Verdict | None:
+def _calm_then_first_wave(
+    own: int | None, shared: int = 0, preempted: tuple[tuple[float, float], ...] = ()
+) -> Verdict | None:
     """Calm 16-token decodes at 10 ms per token, +-15 %; then a 1,800-token decode at 11.2
     ms per token (on the KV-starved vLLM, a first-wave request that lost 45 % of its decode
     to the wait for blocks, whose unslowed cost, 6 ms, the short decodes overstate)."""
@@ -182,6 +185,7 @@ def _calm_then_first_wave(own: int | None, shared: int = 0) -> Verdict | None:
     return d.judge(
         span(100, 0.01, 1799 * 0.0112, out=1800),
         batch=6,
+        preempted=preempted,
         own_preemptions=own,
         shared_preemptions=shared,
     )
@@ -195,6 +199,18 @@ def test_a_request_the_engine_preempted_is_judged_without_the_safety_factor():
     for own in (0, None):
         v = _calm_then_first_wave(own=own)
         assert v is not None and not v.slow
+
+
+def test_a_decode_beside_the_engines_preemptions_is_judged_without_the_safety_factor():
+    # the engine never preempted this request, but preempted others (and recomputed them
+    # in the steps that made its tokens) while it decoded: on the KV-starved vLLM such a
+    # decode took 2.07x its stall-free time at 1.29x the fitted cost
+    beside = ((T + 110.0, T + 111.0),)
+    v = _calm_then_first_wave(own=0, preempted=beside)
+    assert v is not None and v.slow and v.phase == "tpot"
+    # a preemption outside its decode (before its first token) changes nothing
+    v = _calm_then_first_wave(own=0, preempted=((T + 99.0, T + 100.005),))
+    assert v is not None and not v.slow
 
 
 def test_a_request_that_finished_with_preempted_ones_is_judged_as_preempted():

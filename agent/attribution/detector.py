@@ -67,23 +67,24 @@ is fitted through the latest 96, the ratio quantile is over all), ``min_requests
 per token; 0.02 for the longest gap), ``slo_ttft_s = 2.0``, ``slo_tpot_s = 0.5``,
 ``slo_e2e_s = 30.0``, ``coscheduled_tolerance = 2.0`` (below).
 
-**A request the engine says it preempted.** Where the engine reports how often each
-finished request was preempted (vLLM's ``request_num_preemptions``; the caller's
-``own_preemptions``), a request preempted at least once has its decode phases (``tpot``,
-``itl_max``) judged without ``factor``: ``threshold = max(quantile_q'(ratio) x expected,
-expected + floor_s)``. The factor is a margin against calling the fit's own error slow; a
-preempted request's KV was dropped and recomputed, and it waited for blocks in its decode,
-so a decode above the noise the unslowed ones show is that wait, not the fit's error. (On
-the KV-starved CPU vLLM the first requests to be readmitted lost 45 % of their decode to
-the wait and still read only 1.1-1.5 times the fitted cost, which the fit of short calm
-decodes put above their real unslowed cost.) A request known not to have been preempted,
-or whose count is unknown, is judged as any other, unless the engine's count is known for
-the requests that finished with it: when every request the engine finished between the two
-samples around its end is one the caller has a record of, and they were preempted at least
-once between them (``shared_preemptions``), each of them is judged as preempted. Requests
-that finish together are those that decoded together, so they shared the shortage; one that
-was not preempted is still slow only above the fit's tail (``quantile_q'`` of the unslowed
-ratio), which an unslowed decode rarely reaches.
+**A decode beside a preemption.** A decode phase (``tpot``, ``itl_max``) that ran while
+its engine preempted requests (the caller's ``preempted`` intervals overlap its span, or the
+engine says it preempted this request: ``own_preemptions`` >= 1, or ``shared_preemptions``
+>= 1 when its own count is unknown) is judged without ``factor``: ``threshold =
+max(quantile_q'(ratio) x expected, expected + floor_s)``. The factor is a margin against
+calling the fit's own error slow; a preempted request's KV was dropped and recomputed, and
+it waited for blocks in its decode, and the engine recomputes the preempted requests in the
+same steps as every running request's next token, so each decode beside a preemption waits
+too. A decode above the noise the unslowed ones show is that wait, not the fit's error. On
+the KV-starved CPU vLLM the first requests to be readmitted lost 45 % of their decode to the
+wait and still read only 1.1-1.5 times the fitted cost (the fit of short calm decodes puts
+it above their real unslowed cost), and one the engine never preempted decoded in 2.07
+times its stall-free time at 1.29 times the fitted cost. A decode that did not run beside
+a preemption is still slow only above the fit's tail (``quantile_q'`` of the unslowed
+ratio), which an unslowed decode rarely reaches. Requests that finished together between
+two engine samples decoded together: when every one of them is known to the caller and the
+engine counted preemptions for them, each is judged as preempted (``shared_preemptions``),
+which covers a preemption the engine's counter samples missed.
 
 ``q`` is higher than the single-latency baseline's usual p95: up to six phases of every
 request are judged, and a request is slow when any one is, so each phase's tail must be
@@ -179,9 +180,10 @@ TAIL_POINTS = 3
 """Points kept above the tail quantile: ``q`` falls to ``1 - 3/n`` while ``n`` is small."""
 
 TOKEN_SIZED = frozenset({"prefill", "ttft", "e2e"})
-DECODE_PHASES = frozenset({"tpot", "itl_max"})
-"""Phases judged without ``baseline_factor`` for a request its engine says it preempted."""
 """Phases whose size is a token count (cost proportional to it when only one size is seen)."""
+DECODE_PHASES = frozenset({"tpot", "itl_max"})
+"""Phases judged without ``baseline_factor`` when they ran beside a preemption (module
+docstring)."""
 
 TPOT_FLOOR_S = 0.02
 """Absolute floor of the longest inter-token gap's threshold above the expected value."""
@@ -737,7 +739,9 @@ class SlowDetector:
             preempted: ``(a, b)`` intervals, Unix seconds, sorted and disjoint, in which
                 the engine preempted requests (``kvpressure_engine_preemptions_total`` rose
                 between two samples at ``a`` and ``b``); a phase whose span overlaps one is
-                judged but not learnt (a memory shortage is not the engine's normal cost).
+                judged but not learnt (a memory shortage is not the engine's normal cost),
+                and a decode phase is judged without ``baseline_factor`` (module
+                docstring).
             own_preemptions: how many times the engine preempted this request (vLLM's
                 ``request_num_preemptions``), ``None`` when unknown; at least 1 judges its
                 decode phases without ``baseline_factor`` (module docstring).
@@ -793,7 +797,8 @@ class SlowDetector:
             own = max(0.0, value - extra)
             if m is not None and len(m.points) >= self.min_requests:
                 fl = self._floor(phase) if floor is None else floor
-                factor = 1.0 if phase in DECODE_PHASES and preempted_self else self.factor
+                beside = phase in DECODE_PHASES and (preempted_self or _overlaps(preempted, a, b))
+                factor = 1.0 if beside else self.factor
                 thr, exp = m.threshold(size, self.q, factor, fl, tokens)
                 judged.append(
                     PhaseVerdict(
