@@ -44,7 +44,7 @@ from typing import NamedTuple, Protocol
 from kvpressure.agent.attribution.detector import SlowDetector, Verdict
 from kvpressure.agent.attribution.engine import Attributor
 from kvpressure.agent.attribution.model import ALL_CAUSES, CAUSES, UNKNOWN, Attribution
-from kvpressure.agent.attribution.rules import LONG_LOOKBACK, METRICS_READ
+from kvpressure.agent.attribution.rules import ENGINE_UP, LONG_LOOKBACK, METRICS_READ
 from kvpressure.agent.attribution.signals import Series, Signals
 from kvpressure.agent.attribution.store import AttributionStore, RequestSummary
 from kvpressure.agent.catalogue import SampleName
@@ -80,6 +80,16 @@ STATS_STALE: SampleName = "kvpressure_engine_stats_stale"
 PREEMPTIONS: SampleName = "kvpressure_engine_preemptions_total"
 FINISHED: SampleName = "kvpressure_engine_finished_requests_total"
 FINISHED_PREEMPTIONS: SampleName = "kvpressure_engine_finished_requests_preemptions_total"
+
+TIMELINE_READS: frozenset[str] = frozenset(
+    (*METRICS_READ, ENGINE_LATENCY, ENGINE_UP, RUNNING, STATS_STALE, PREEMPTIONS, FINISHED,
+     FINISHED_PREEMPTIONS)
+)  # fmt: skip
+"""Every metric :class:`AttributionSampler` reads back from the timeline: the rules'
+(:data:`~agent.attribution.rules.METRICS_READ`), the engines' tail latency quantiles, the
+engines seen up (which engines get windows), and what the sampler itself reads to hold,
+size and count requests (running, stale, preemptions, finished requests). The timeline keeps
+these for it while attribution is enabled (:mod:`agent.pipeline`)."""
 
 OWN_PREEMPTIONS_MARGIN_S = 0.1
 """A record's end must lie at least this far from both engine samples around it before the
@@ -225,6 +235,7 @@ class AttributionSampler(Sampler):
     """
 
     name = "attribution"
+    timeline_reads = TIMELINE_READS
 
     def __init__(
         self,
@@ -572,7 +583,7 @@ class AttributionSampler(Sampler):
 
     def _engines(self, now: float) -> set[str]:
         engines = self.store.engines_with_requests()
-        for labels in self.timeline.window("kvpressure_engine_up", now - 60.0, now):
+        for labels in self.timeline.window(ENGINE_UP, now - 60.0, now):
             eng = dict(labels).get("engine")
             if eng:
                 engines.add(eng)
