@@ -86,13 +86,18 @@ class Daemon:
         self._reload_lock = asyncio.Lock()
         self._reloads: set[asyncio.Task[bool]] = set()
         self.config_path = Path(config_path) if config_path else None
+        self._extra = {s.name: s for s in extra_samplers}
+        # The timeline keeps only what the stages that run read back (agent.pipeline).
         self.state = AgentState(
-            Timeline(config.timeline.points_per_series, config.timeline.max_series)
+            Timeline(
+                config.timeline.points_per_series,
+                config.timeline.max_series,
+                kept=self.timeline_reads(config),
+            )
         )
         self.registry: CollectorRegistry = make_registry(self.state)
         self._runners = Runners(self.state)
         self._discovery = Discovery(probe)
-        self._extra = {s.name: s for s in extra_samplers}
         self._stopping: asyncio.Event | None = None
         self._site_runner: web.AppRunner | None = None
         self._listen: str | None = None
@@ -153,15 +158,35 @@ class Daemon:
         )
         return pipeline.plan(ctx)
 
+    def timeline_reads(self, cfg: Config) -> frozenset[str]:
+        """The metric names the timeline keeps under ``cfg``.
+
+        What ``cfg``'s enabled stages read back (:func:`agent.pipeline.timeline_reads`)
+        and what the extra samplers declare (:attr:`agent.pipeline.Sampler.timeline_reads`).
+        """
+        extra = (s.timeline_reads for s in self._extra.values())
+        return pipeline.timeline_reads(cfg).union(*extra)
+
     def pipeline_once(self) -> Once:
         """Build every stage the config asks for, to run tick by tick on the caller's thread."""
         self._export.apply(self.config.otlp_export, self.config.attribution.span_parent)
+        self.state.timeline.set_kept(self.timeline_reads(self.config))
         return Once(self.plans(self.config), self.state)
 
     def _apply(self, cfg: Config) -> None:
-        """Start, keep or stop runners so they match ``cfg``."""
+        """Start, keep or stop runners so they match ``cfg``, and the timeline's names.
+
+        A name a starting stage reads is kept before it starts; a name only a stopping
+        stage read is dropped once the stage was asked to stop (a collection of it still
+        in flight may fail on that name; a stopped runner publishes no report).
+        """
         self._export.apply(cfg.otlp_export, cfg.attribution.span_parent)
+        timeline = self.state.timeline
+        kept = self.timeline_reads(cfg)
+        if timeline.kept is not None:
+            timeline.set_kept(kept | timeline.kept)
         self._runners.apply(self.plans(cfg), self._extra)
+        timeline.set_kept(kept)
 
     async def _discovery_loop(self) -> None:
         while True:

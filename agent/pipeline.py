@@ -26,7 +26,11 @@ Rules of the house, checked by ``tests/test_pipeline.py``:
   ``engine_processes`` (the PIDs listening on an engine's port from the same bounded lookup,
   :meth:`agent.kube.EnginePods.pids`: the host source reads their CPU time);
 * a derived stage reads the state and timeline; one with ``after`` runs right after each
-  report of those sources (the same tick), the others on their own interval;
+  report of those sources (the same tick), the others on their own interval. A stage that
+  reads the timeline declares the metric names it reads (its sampler's
+  :attr:`Sampler.timeline_reads`, passed as ``reads`` to :func:`register`): the timeline
+  keeps only the names the enabled stages declared (:func:`timeline_reads`), and reading
+  any other raises :class:`agent.timeline.NotKept`;
 * exporters are not stages: they render the state and report their own health with
   :meth:`agent.state.AgentState.add_health`.
 """
@@ -96,10 +100,17 @@ class Sampler(abc.ABC):
             collected in turn (:class:`agent.scheduler.ThreadGroup`); every sampler is in
             :data:`SHARED_THREAD` unless it names another group, or ``None`` for a thread
             of its own.
+        timeline_reads: the metric names this stage reads back from the timeline
+            (:meth:`agent.timeline.Timeline.window`); empty for a source and for a stage
+            that reads only the latest state. The timeline keeps only the names that the
+            stages it serves declared (:func:`timeline_reads`; an ``extra_samplers`` entry
+            of the daemon is asked its own), so a name read and not declared raises
+            :class:`agent.timeline.NotKept`.
     """
 
     name: str = "sampler"
     thread_group: str | None = SHARED_THREAD
+    timeline_reads: frozenset[str] = frozenset()
 
     def __init__(self, interval_s: float = 1.0, timeout_s: float | None = None) -> None:
         self.interval_s = interval_s
@@ -203,6 +214,8 @@ class Registration:
         label: the ``sampler`` label (prefix before ``:`` for per-instance samplers).
         after: for a derived stage, the sources whose reports trigger it.
         check: extra config validation the stage owns.
+        reads: the metric names the stage reads back from the timeline (its sampler's
+            :attr:`Sampler.timeline_reads`).
     """
 
     name: str
@@ -213,6 +226,7 @@ class Registration:
     label: str = ""
     after: tuple[str, ...] = ()
     check: ConfigCheck | None = None
+    reads: frozenset[str] = frozenset()
 
 
 _REGISTRY: dict[str, Registration] = {}
@@ -229,11 +243,13 @@ def register(
     label: str = "",
     after: tuple[str, ...] = (),
     check: ConfigCheck | None = None,
+    reads: frozenset[str] = frozenset(),
 ) -> Callable[[Callable[[Context], list[Plan]]], Callable[[Context], list[Plan]]]:
     """Register the decorated ``plan(ctx)`` function as stage ``name`` (see the module doc).
 
     Raises:
-        ValueError: ``name`` is registered twice, or ``after`` names a stage on a source.
+        ValueError: ``name`` is registered twice, ``after`` names a stage on a source, or a
+            source declares timeline reads.
     """
 
     def deco(fn: Callable[[Context], list[Plan]]) -> Callable[[Context], list[Plan]]:
@@ -241,8 +257,10 @@ def register(
             raise ValueError(f"stage {name!r} registered twice")
         if after and stage is not Stage.DERIVED:
             raise ValueError(f"stage {name!r}: only a derived stage runs after others")
+        if reads and stage is not Stage.DERIVED:
+            raise ValueError(f"stage {name!r}: only a derived stage reads the timeline")
         _REGISTRY[name] = Registration(name, stage, fn, doc, default_enabled, label or name,
-                                       after, check)  # fmt: skip
+                                       after, check, frozenset(reads))  # fmt: skip
         return fn
 
     return deco
@@ -267,6 +285,18 @@ def enabled(config: Config, name: str) -> bool:
     if toggle is None:
         return registry()[name].default_enabled
     return bool(toggle.enabled)
+
+
+def timeline_reads(config: Config) -> frozenset[str]:
+    """The metric names the timeline keeps for ``config``: what its enabled stages read.
+
+    The union of the ``reads`` every enabled registration declared (a disabled stage's
+    names are not kept; a source declares none). The daemon passes it to
+    :meth:`agent.timeline.Timeline.set_kept`.
+    """
+    return frozenset().union(
+        *(reg.reads for reg in registry().values() if enabled(config, reg.name))
+    )
 
 
 def starved(config: Config) -> list[str]:

@@ -1,8 +1,17 @@
 """The bounded in-memory timeline: a ring buffer of recent points per series.
 
 The daemon appends every sampler batch here; attribution and the capacity planner read
-windows back (``window``) to see what each resource did over a request's lifetime. Memory
-is bounded three ways:
+windows back (``window``) to see what each resource did over a request's lifetime.
+
+Only what is read back is kept. Each derived stage that reads the timeline declares the
+metric names it reads (:attr:`agent.pipeline.Sampler.timeline_reads`, registered with the
+stage); the daemon keeps the union over the stages it runs (:meth:`Timeline.set_kept`) and
+:meth:`Timeline.append` skips every other name (one set lookup per run of samples of one
+name). A read of a name that is not kept raises :class:`NotKept`: a reader that forgot to
+declare a name fails loudly instead of reading nothing. ``kept=None`` keeps every name
+(tests, benchmarks).
+
+Memory is bounded three ways besides:
 
 * each series keeps at most ``points_per_series`` points (oldest dropped first), in two
   ``array('d')`` buffers that grow as points arrive (16 bytes a point), so a series that
@@ -15,8 +24,9 @@ is bounded three ways:
   is dropped and counted in :attr:`Timeline.dropped_samples`. So a label that changes every
   scrape keeps memory bounded without blinding the agent to new engines, models or PIDs.
 
-A full series costs 16 KiB (1,024 points); 20,000 full series about 320 MiB at worst, a
-typical single-engine host (about 200 series) about 3 MiB.
+A full series costs 16 KiB (1,024 points); 20,000 full series about 320 MiB at worst. What
+a node keeps is printed by ``benchmarks/node_cost.py --timeline`` (the node's series through
+the real samplers, every ring full).
 """
 
 from __future__ import annotations
@@ -30,6 +40,13 @@ from kvpressure.agent.samples import Labels, Sample
 
 SeriesKey = tuple[str, Labels]
 """``(metric name, sorted label pairs)``."""
+
+
+class NotKept(LookupError):
+    """A metric name was read that no running stage declared it reads (so it is not kept).
+
+    Declare it in the reading stage's ``timeline_reads`` (see the module doc).
+    """
 
 
 class Ring:
@@ -122,6 +139,8 @@ class Timeline:
         forget_after_s: seconds after its last write that a series is forgotten.
         evict_after_s: seconds without a write after which a series may give its place to
             a new one when the cap is reached.
+        kept: the metric names to keep (the readers' declared reads); ``None`` keeps every
+            name. Changed later with :meth:`set_kept`.
 
     Attributes:
         dropped_samples: samples of new series dropped at the cap, since start.
@@ -135,6 +154,7 @@ class Timeline:
         max_series: int = 20000,
         forget_after_s: float = 900.0,
         evict_after_s: float = 10.0,
+        kept: Iterable[str] | None = None,
     ) -> None:
         self.points_per_series = points_per_series
         self.max_series = max_series
@@ -154,15 +174,54 @@ class Timeline:
         self.dropped_samples = 0
         self.evicted_series = 0
         self.forgotten_series = 0
+        self._kept: frozenset[str] | None = None if kept is None else frozenset(kept)
+
+    @property
+    def kept(self) -> frozenset[str] | None:
+        """The metric names kept; ``None`` when every name is."""
+        return self._kept
+
+    def set_kept(self, names: Iterable[str] | None) -> int:
+        """Keep only the series of ``names`` from now on (``None``: every name).
+
+        Series held of a name no longer kept are dropped at once (their memory is freed); a
+        newly kept name has its series from its next sample on.
+
+        Returns:
+            The number of series dropped.
+        """
+        kept = None if names is None else frozenset(names)
+        with self._lock:
+            self._kept = kept
+            if kept is None:
+                return 0
+            gone = [key for key in self._series if key[0] not in kept]
+            for key in gone:
+                del self._written[key]
+                self._drop(key)
+            return len(gone)
 
     def append(self, ts: float, samples: Iterable[Sample]) -> None:
-        """Record ``samples`` taken at Unix time ``ts`` (seconds)."""
+        """Record ``samples`` taken at Unix time ``ts`` (seconds); names not kept are skipped.
+
+        A batch holds each metric's samples one after another, so whether a name is kept is
+        looked up once per run of samples sharing one name object (a sampler passes the same
+        ``str`` for every sample of a family), not per sample.
+        """
+        name: str | None = None
+        skip = False
         with self._lock:
+            kept = self._kept
             if ts - self._last_sweep >= min(60.0, self.forget_after_s):
                 self._last_sweep = ts
                 self.forgotten_series += self._forget(ts - self.forget_after_s)
             series = self._series
             for s in samples:
+                if s.name is not name:
+                    name = s.name
+                    skip = kept is not None and name not in kept
+                if skip:
+                    continue
                 key = (s.name, s.labels)
                 ring = series.get(key)
                 if ring is None:
@@ -220,6 +279,11 @@ class Timeline:
         with self._lock:
             return len(self._series)
 
+    def names(self) -> set[str]:
+        """The metric names that have series held now."""
+        with self._lock:
+            return set(self._by_name)
+
     def window(
         self,
         name: str,
@@ -238,7 +302,15 @@ class Timeline:
         Returns:
             Label set to its points ``[(ts, value), ...]``, oldest first; series with no
             point in the range are left out.
+
+        Raises:
+            NotKept: ``name`` is not kept (no running stage declared it reads it).
         """
+        kept = self._kept
+        if kept is not None and name not in kept:
+            raise NotKept(
+                f"timeline: {name!r} is not kept; add it to the reading stage's timeline_reads"
+            )
         want = tuple((match or {}).items())
         out: dict[Labels, list[tuple[float, float]]] = {}
         with self._lock:

@@ -33,11 +33,23 @@ NVML runs inside the agent; its own cost per call is printed separately
 window and is scraped once a second; its CPU over the same window is the peer figure.
 
 Prints, per scenario: agent CPU % of one core, node_exporter's, their ratio, agent peak
-RSS (``VmHWM``) and node_exporter's RSS. Run it under ``flock /tmp/kvpressure-cpu.lock`` on
-a shared machine. Usage::
+RSS (``VmHWM``) and node_exporter's RSS, the lines of ``/metrics`` and the series held in
+the timeline at the end (``kvpressure_timeline_series``). Run it under ``flock
+/tmp/kvpressure-cpu.lock`` on a shared machine.
+
+``--timeline`` prints instead, in-process, the node's timeline once every ring is full:
+the ``node`` scenario's stages are built from its config as ``kvpressure run`` builds them
+(the real samplers against the same engine server) and ticked 13 times; then every
+report's samples are appended ``points_per_series`` times (1,024: each ring fills) to a
+fresh timeline that keeps only what the stages read (as the agent's), and to one that keeps
+every series (as the timeline did before issue 15's cut). For each: the series held, the
+bytes allocated (``tracemalloc``) and the resident memory added (``VmRSS``), and the CPU of
+one round of appends. Usage::
 
     flock /tmp/kvpressure-cpu.lock .venv/bin/python benchmarks/node_cost.py [--seconds 30]
         [--scenarios host,host+poll,host+poll-ka,node,node-1s,node+16,node-1gpu,node+poll]
+        [--kvpressure OTHER_CHECKOUT/.venv/bin/kvpressure]
+    flock /tmp/kvpressure-cpu.lock .venv/bin/python benchmarks/node_cost.py --timeline
 """
 
 from __future__ import annotations
@@ -70,6 +82,9 @@ PROM_ACCEPT = (
     "version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1"
 )
 INTERVAL_S = 10.0
+TIMELINE_TICKS = 13
+"""``--timeline``: ticks of the node's stages, 1.1 s apart, before the samples are taken:
+enough for attribution's first 10 s window to be due (its scores are series too)."""
 
 ENGINE_SERVER = r"""
 import sys, threading
@@ -146,14 +161,20 @@ def scenario_config(name: str, port: int, engine_ports: list[int]) -> dict[str, 
 
 
 def run(
-    name: str, seconds: float, work: Path, engine_ports: list[int], ne: psutil.Process, ne_url: str
+    name: str,
+    seconds: float,
+    work: Path,
+    engine_ports: list[int],
+    ne: psutil.Process,
+    ne_url: str,
+    exe: Path,
 ) -> dict[str, float]:
     port = free_port()
     cfg = work / f"{name}.yaml"
     cfg.write_text(yaml.safe_dump(scenario_config(name, port, engine_ports)))
     err = (work / f"{name}.err").open("w")
     proc = subprocess.Popen(
-        [str(REPO / ".venv" / "bin" / "kvpressure"), "run", "--config", str(cfg)],
+        [str(exe), "run", "--config", str(cfg)],
         stdout=subprocess.DEVNULL,
         stderr=err,
     )
@@ -204,13 +225,19 @@ def run(
             wall = time.monotonic() - w0
             agent_pct.append(100 * (cpu_s(agent) - a0) / wall)
             ne_pct.append(100 * (cpu_s(ne) - n0) / wall)
-        series = get(f"http://127.0.0.1:{port}/metrics").count(b"\n")
+        body = get(f"http://127.0.0.1:{port}/metrics")
+        timeline = [
+            float(line.split()[1])
+            for line in body.splitlines()
+            if line.startswith(b"kvpressure_timeline_series ")
+        ]
         return {
             "agent_pct": statistics.median(agent_pct),
             "ne_pct": statistics.median(ne_pct),
             "agent_rss": hwm_mib(proc.pid),
             "ne_rss": ne.memory_info().rss / 2**20,
-            "lines": float(series),
+            "lines": float(body.count(b"\n")),
+            "timeline": timeline[0] if timeline else float("nan"),
         }
     finally:
         stop.set()
@@ -250,9 +277,142 @@ def host_cycle_cost() -> float:
     return _cycle_ms(HostSampler(), Batch, 200)
 
 
+def rss_bytes() -> int:
+    """This process's resident memory now (``VmRSS``), bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def timeline_footprint(engine_ports: list[int]) -> None:
+    """Print the node's timeline with every ring full, kept names against every series.
+
+    See the module doc (``--timeline``). The engines must be served on ``engine_ports``.
+    """
+    sys.path.insert(0, str(REPO))
+    from kvpressure.agent.config import parse
+    from kvpressure.agent.daemon import Daemon
+
+    cfg = parse(yaml.safe_dump(scenario_config("node", free_port(), engine_ports)))
+    daemon = Daemon(cfg)
+    stages = daemon.pipeline_once()
+    try:
+        for i in range(TIMELINE_TICKS):
+            if i:
+                time.sleep(1.1)  # the GPU sampler's slow fields come once a second
+            stages.tick()
+    finally:
+        stages.close()
+    batches = [list(r.batch.samples) for r in daemon.state.reports() if r.ok and r.batch]
+    offered = sum(len(b) for b in batches)
+    kept = daemon.timeline_reads(cfg)
+    points = cfg.timeline.points_per_series
+    rows = []
+    families: dict[str, int] = {}
+    for label, names in (("every series (before)", None), ("kept (read by a stage)", kept)):
+        # each figure in a fresh child: freed memory is not handed back to the kernel, and
+        # tracemalloc's own bookkeeping would count in the resident memory
+        got = _in_child(lambda n=names: _fill(batches, points, cfg.timeline.max_series, n, kept))
+        traced = _in_child(
+            lambda n=names: _fill(batches, points, cfg.timeline.max_series, n, kept, traced=True)
+        )
+        rows.append((label, got["series"], traced["traced"], got["rss"], got["append_ms"]))
+        families = families or got["families"]
+    print(
+        f"node timeline, {points} points per series (every ring full); "
+        f"{len(batches)} reports, {offered} samples a round, {len(kept)} names read by a stage"
+    )
+    print(f"{'timeline':<24} {'series':>7} {'traced':>10} {'+RSS':>10} {'append/round':>13}")
+    for label, n, traced, rss, ms in rows:
+        print(
+            f"{label:<24} {n:>7} {traced / 2**20:>6.2f} MiB {rss / 2**20:>6.2f} MiB {ms:>10.3f} ms"
+        )
+    print("series not kept, by family (largest first):")
+    for name, n in sorted(families.items(), key=lambda kv: -kv[1])[:12]:
+        print(f"  {n:>5}  {name}")
+
+
+def _in_child(fn: Any) -> dict[str, Any]:
+    """Run ``fn()`` in a forked child and return its JSON-able result."""
+    import json
+    import os
+
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: measure, write, leave without cleanup
+        os.close(r)
+        with os.fdopen(w, "w") as f:
+            json.dump(fn(), f)
+        os._exit(0)
+    os.close(w)
+    with os.fdopen(r) as f:
+        out: dict[str, Any] = json.load(f)
+    os.waitpid(pid, 0)
+    return out
+
+
+def _fill(
+    batches: list[Any],
+    points: int,
+    max_series: int,
+    names: frozenset[str] | None,
+    kept: frozenset[str],
+    traced: bool = False,
+) -> dict[str, Any]:
+    """Fill a timeline keeping ``names`` (``None``: all) until every ring is full; measure.
+
+    Returns ``series``, then with ``traced`` the bytes allocated (``tracemalloc``), else the
+    resident memory added (``rss``), the CPU of one round of appends to the full rings
+    (``append_ms``) and the series per family not in ``kept`` (``families``).
+    """
+    import gc
+    import tracemalloc
+    from collections import Counter
+
+    from kvpressure.agent.timeline import Timeline
+
+    gc.collect()
+    rss0 = rss_bytes()
+    if traced:
+        tracemalloc.start()
+    tl = Timeline(points, max_series, kept=names)
+    t = 0.0
+    for _ in range(points):
+        t += 0.1
+        for b in batches:
+            tl.append(t, b)
+    if traced:
+        return {"series": len(tl), "traced": tracemalloc.get_traced_memory()[0]}
+    rss = rss_bytes() - rss0
+    c0 = time.process_time()
+    for _ in range(200):  # appends to full rings: the steady state's cost
+        t += 0.1
+        for b in batches:
+            tl.append(t, b)
+    append_ms = (time.process_time() - c0) / 200 * 1e3
+    with tl._lock:  # the benchmark looks inside: the series per family not kept
+        families = Counter(
+            name for name, series in tl._by_name.items() if name not in kept for _ in series
+        )
+    return {"series": len(tl), "rss": rss, "append_ms": append_ms, "families": families}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, default=30.0)
+    ap.add_argument(
+        "--kvpressure",
+        type=Path,
+        default=REPO / ".venv" / "bin" / "kvpressure",
+        help="the agent to run (default: this checkout's); another checkout's "
+        ".venv/bin/kvpressure compares two agents under the same harness",
+    )
+    ap.add_argument(
+        "--timeline",
+        action="store_true",
+        help="print the node's timeline with every ring full, in-process, and exit",
+    )
     ap.add_argument(
         "--scenarios",
         default="host,host+poll,node,node-1s,node+16,node-1gpu,node+poll",
@@ -264,7 +424,7 @@ def main() -> int:
     )
     args = ap.parse_args()
     exe = shutil.which("prometheus-node-exporter") or shutil.which("node_exporter")
-    if exe is None:
+    if exe is None and not args.timeline:
         print("prometheus-node-exporter not found (apt-get install prometheus-node-exporter)")
         return 2
     capture = next(p for p in CAPTURES if p.exists())
@@ -277,6 +437,15 @@ def main() -> int:
         )
         assert server.stdout is not None
         server.stdout.readline()
+        if args.timeline:
+            try:
+                print(f"capture: {capture} ({capture.stat().st_size / 1e3:.0f} KB)")
+                timeline_footprint(engine_ports)
+            finally:
+                server.terminate()
+                server.wait(10)
+            return 0
+        assert exe is not None
         ne_port = free_port()
         ne_proc = subprocess.Popen(
             [exe, f"--web.listen-address=127.0.0.1:{ne_port}"],
@@ -289,20 +458,23 @@ def main() -> int:
         try:
             ne = psutil.Process(ne_proc.pid)
             for name in args.scenarios.split(","):
-                rows[name] = run(name, args.seconds, work, engine_ports, ne, ne_url)
+                rows[name] = run(
+                    name, args.seconds, work, engine_ports, ne, ne_url, args.kvpressure
+                )
         finally:
             ne_proc.terminate()
             server.terminate()
-    print(f"capture: {capture} ({capture.stat().st_size / 1e3:.0f} KB)")
+    print(f"capture: {capture} ({capture.stat().st_size / 1e3:.0f} KB); agent: {args.kvpressure}")
     print(
         f"{'scenario':<10} {'agent cpu':>9} {'node_exp':>9} {'ratio':>6} "
-        f"{'agent RSS':>10} {'n_e RSS':>8} {'lines':>6}"
+        f"{'agent RSS':>10} {'n_e RSS':>8} {'lines':>6} {'timeline':>8}"
     )
     for name, r in rows.items():
         ratio = r["agent_pct"] / r["ne_pct"] if r["ne_pct"] > 0 else float("inf")
         print(
             f"{name:<10} {r['agent_pct']:>8.2f}% {r['ne_pct']:>8.2f}% {ratio:>5.1f}x "
-            f"{r['agent_rss']:>6.1f} MiB {r['ne_rss']:>4.1f} MiB {r['lines']:>6.0f}"
+            f"{r['agent_rss']:>6.1f} MiB {r['ne_rss']:>4.1f} MiB {r['lines']:>6.0f} "
+            f"{r['timeline']:>8.0f}"
         )
     if "node" in rows and "node-1s" in rows:
         print(

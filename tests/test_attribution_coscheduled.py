@@ -59,15 +59,21 @@ class _Req:
 @dataclass
 class Engine:
     """One engine step: ``base + per_prompt_token x prompt tokens + per_decoder x decoders``
-    seconds (2 CPU cores: a 1,650-token prompt costs about 2.5 s)."""
+    seconds (2 CPU cores: a 1,650-token prompt costs about 2.5 s), times ``1 + jitter x u``
+    with ``u`` uniform in [-1, 1] (a real engine's steps vary: the same 1,650-token prefill
+    took 3.05-3.3 s on the real llama.cpp)."""
 
     base: float = 0.02
     per_prompt_token: float = 0.0015
     per_decoder: float = 0.008
     slowdown: float = 1.0
+    jitter: float = 0.0
+    rng: random.Random = field(default_factory=lambda: random.Random(7))
 
     def step_s(self, prompt_tokens: int, decoders: int) -> float:
         raw = self.base + self.per_prompt_token * prompt_tokens + self.per_decoder * decoders
+        if self.jitter:
+            raw *= 1.0 + self.jitter * self.rng.uniform(-1.0, 1.0)
         return raw * self.slowdown
 
 
@@ -202,6 +208,21 @@ def test_a_calm_mixed_workload_is_the_engines_normal():
     assert len(held) >= 0.1 * len(short)  # the workload does hold short requests up...
     slow = h.slow_in(recs)  # ...but that is its normal
     assert len(slow) <= 0.02 * len(recs), [(r.input_tokens, r.ttft_s) for r in slow]
+
+
+def test_a_blocker_a_little_slower_than_its_median_is_still_the_engines_normal():
+    # steps +-20 %: a long prefill that holds a short request up often runs above the
+    # fit's median cost for its size, and within its spread; counted at the median, the
+    # difference made the short request slow (17 of 600 here; 2 of 60 on the real
+    # llama.cpp). Counted up to the fit's tail, it is excused.
+    slow = total = 0
+    for seed in range(10):
+        h = Harness()
+        _, end = calm_mixed(h, 30, 100 + seed, T, Engine(jitter=0.2))
+        recs, _ = calm_mixed(h, 30, 200 + seed, end + 1, Engine(jitter=0.2))
+        slow += len(h.slow_in(recs))
+        total += len(recs)
+    assert slow <= 0.01 * total, slow
 
 
 def test_back_to_back_long_prompts_beside_the_calm_streams_are_interference():

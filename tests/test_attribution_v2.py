@@ -108,7 +108,8 @@ def test_a_request_slow_in_one_phase_teaches_no_phase():
 
 def _batch_slope_after_preemption(preempted: bool) -> tuple[SlowDetector, Verdict | None]:
     """Calm 16-token decodes at batch 2; then, at batch 20 while the engine preempts, five
-    1,200-token decodes at 1.4x (under the threshold on their own); then one at 2.1x."""
+    1,200-token decodes at 1.4x (under the threshold with the safety factor, over it
+    beside the preemptions); then one at 2.1x."""
     d = SlowDetector()
     for i in range(60):
         v = d.judge(span(i, 0.01, 15 * 0.003 * (1 + 0.02 * (i % 3)), out=16), batch=2)
@@ -116,7 +117,7 @@ def _batch_slope_after_preemption(preempted: bool) -> tuple[SlowDetector, Verdic
     storm = [(T + 99.0, T + 140.0)] if preempted else []
     for i in range(5):
         v = d.judge(span(100 + i, 0.01, 1199 * 0.0042, out=1200), batch=20, preempted=storm)
-        assert v is not None and not v.slow
+        assert v is not None and v.slow == preempted
     # later, still at batch 20: preemptions were counted during its decode (a fresh wave)
     later = [(T + 149.0, T + 150.0)] if preempted else []
     return d, d.judge(span(148, 0.01, 1199 * 0.0063, out=1200), batch=20, preempted=later)
@@ -171,7 +172,9 @@ def test_the_sampler_tells_the_detector_when_the_engine_preempted():
     assert detector.baseline_size(ENG, "tpot") == 1
 
 
-def _calm_then_first_wave(own: int | None) -> Verdict | None:
+def _calm_then_first_wave(
+    own: int | None, shared: int = 0, preempted: tuple[tuple[float, float], ...] = ()
+) -> Verdict | None:
     """Calm 16-token decodes at 10 ms per token, +-15 %; then a 1,800-token decode at 11.2
     ms per token (on the KV-starved vLLM, a first-wave request that lost 45 % of its decode
     to the wait for blocks, whose unslowed cost, 6 ms, the short decodes overstate)."""
@@ -179,7 +182,13 @@ def _calm_then_first_wave(own: int | None) -> Verdict | None:
     for i in range(60):
         v = d.judge(span(i, 0.01, 15 * 0.010 * (0.85 + 0.01 * (i % 31)), out=16), batch=2)
         assert v is not None and not v.slow
-    return d.judge(span(100, 0.01, 1799 * 0.0112, out=1800), batch=6, own_preemptions=own)
+    return d.judge(
+        span(100, 0.01, 1799 * 0.0112, out=1800),
+        batch=6,
+        preempted=preempted,
+        own_preemptions=own,
+        shared_preemptions=shared,
+    )
 
 
 def test_a_request_the_engine_preempted_is_judged_without_the_safety_factor():
@@ -190,6 +199,27 @@ def test_a_request_the_engine_preempted_is_judged_without_the_safety_factor():
     for own in (0, None):
         v = _calm_then_first_wave(own=own)
         assert v is not None and not v.slow
+
+
+def test_a_decode_beside_the_engines_preemptions_is_judged_without_the_safety_factor():
+    # the engine never preempted this request, but preempted others (and recomputed them
+    # in the steps that made its tokens) while it decoded: on the KV-starved vLLM such a
+    # decode took 2.07x its stall-free time at 1.29x the fitted cost
+    beside = ((T + 110.0, T + 111.0),)
+    v = _calm_then_first_wave(own=0, preempted=beside)
+    assert v is not None and v.slow and v.phase == "tpot"
+    # a preemption outside its decode (before its first token) changes nothing
+    v = _calm_then_first_wave(own=0, preempted=((T + 99.0, T + 100.005),))
+    assert v is not None and not v.slow
+
+
+def test_a_request_that_finished_with_preempted_ones_is_judged_as_preempted():
+    # its own count unknown, but the engine preempted the requests that finished with it
+    v = _calm_then_first_wave(own=None, shared=3)
+    assert v is not None and v.slow and v.phase == "tpot"
+    # a count of its own wins over the shared one
+    v = _calm_then_first_wave(own=0, shared=3)
+    assert v is not None and not v.slow
 
 
 def test_a_preempted_request_still_needs_a_decode_above_the_noise():
@@ -223,13 +253,15 @@ def _finished_timeline(
     return timeline
 
 
-def _own_preemptions(timeline: Timeline, records: list[RequestRecord]) -> list[int | None]:
+def _own_preemptions(
+    timeline: Timeline, records: list[RequestRecord]
+) -> list[tuple[int | None, int]]:
     sampler = AttributionSampler(
         RequestStream(), timeline, AttributionStore(), SlowDetector(), Attributor(Params()),
         settle_s=1.0, clock=lambda: T + 45,
     )  # fmt: skip
     pool = sorted(records, key=lambda r: r.end)
-    return sampler._own_preemptions(pool, pool, T + 45)
+    return [tuple(o) for o in sampler._own_preemptions(pool, pool, T + 45)]
 
 
 def test_the_sampler_reads_each_finished_requests_own_preemptions():
@@ -247,9 +279,14 @@ def test_the_sampler_reads_each_finished_requests_own_preemptions():
         span(12.0, 0.05, 3.02 - 0.05),  # ends T+15.02: too close to the sample at T+15
         span(16.0, 0.05, 3.5 - 0.05),  # ends T+19.5: no sample after it yet
     ]
-    assert _own_preemptions(_finished_timeline(c, p), recs) == [3, 0, None, None, None, None, None]
-    # two instances of the engine: their counters are summed, 2 finished: unknown
-    assert _own_preemptions(_finished_timeline(c, p, 2), recs[:2]) == [None, 0]
+    # the two that ended between T+10 and T+11 are every request the engine finished
+    # there: each shares the 3 preemptions; the one beside an unseen request shares none
+    assert _own_preemptions(_finished_timeline(c, p), recs) == [
+        (3, 0), (0, 0), (None, 3), (None, 3), (None, 0), (None, 0), (None, 0)
+    ]  # fmt: skip
+    # two instances of the engine: their counters are summed, 2 finished beside one known
+    # record: unknown, nothing shared
+    assert _own_preemptions(_finished_timeline(c, p, 2), recs[:2]) == [(None, 0), (0, 0)]
 
 
 def test_a_record_waits_for_the_scrape_that_counts_it():
@@ -289,7 +326,7 @@ def test_an_engine_without_per_request_preemptions_leaves_them_unknown():
         b = Batch()
         b.add("kvpressure_engine_preemptions_total", float(k), engine=ENG, instance="a:1")
         timeline.append(T + k, b.samples)
-    assert _own_preemptions(timeline, [span(1.0, 0.05, 3.4)]) == [None]
+    assert _own_preemptions(timeline, [span(1.0, 0.05, 3.4)]) == [(None, 0)]
 
 
 def test_a_batch_slope_is_not_extrapolated_past_the_batches_seen():

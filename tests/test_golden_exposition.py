@@ -14,22 +14,29 @@ and review the diff (see ``tests/fixtures/golden/README.md``).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import pytest
 from prometheus_client import generate_latest
 
+from kvpressure.agent import daemon as daemon_module
+from kvpressure.agent import pipeline
 from kvpressure.agent.config import parse
 from kvpressure.agent.daemon import Daemon
 from kvpressure.agent.requests.record import RequestRecord
+from kvpressure.agent.samples import Labels
+from kvpressure.agent.scheduler import Once
+from kvpressure.agent.timeline import Timeline
 
 FIXTURES = Path(__file__).parent / "fixtures"
 GOLDEN_DIR = FIXTURES / "golden"
@@ -125,8 +132,9 @@ def _records(now: float) -> list[RequestRecord]:
     ]  # fmt: skip
 
 
-def render_agent(ports: dict[str, int]) -> str:
-    """Build the agent from the config, run three ticks, render ``/metrics`` once."""
+@contextlib.contextmanager
+def run_agent(ports: dict[str, int]) -> Iterator[tuple[Daemon, Once]]:
+    """Build the agent from the config and run three ticks; yields it and its stages."""
     daemon = Daemon(parse(_config(ports)))
     # Attribution windows (an hour here) end at multiples of their length: a run that
     # crossed one would add window scores, so start clear of the next boundary.
@@ -140,9 +148,15 @@ def render_agent(ports: dict[str, int]) -> str:
             if i:
                 time.sleep(1.1)  # every tick is a "slow" NVML cycle (SLOW_INTERVAL_S = 1 s)
             stages.tick()
-        return generate_latest(daemon.registry).decode()
+        yield daemon, stages
     finally:
         stages.close()
+
+
+def render_agent(ports: dict[str, int]) -> str:
+    """Build the agent from the config, run three ticks, render ``/metrics`` once."""
+    with run_agent(ports) as (daemon, _):
+        return generate_latest(daemon.registry).decode()
 
 
 def normalise(text: str) -> str:
@@ -193,3 +207,52 @@ def test_normalisation_keeps_what_does_not_vary() -> None:
         'kvpressure_gpu_pcie_bytes_total{direction="tx",gpu="0"} 0',
         'kvpressure_build_info{python="<python>",version="0.1.0"} 1.0',
     ]
+
+
+class _Spy(Timeline):
+    """The daemon's timeline, recording every metric name read from it."""
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.asked: set[str] = set()
+
+    def window(
+        self,
+        name: str,
+        start: float = float("-inf"),
+        end: float = float("inf"),
+        match: Mapping[str, str] | None = None,
+    ) -> dict[Labels, list[tuple[float, float]]]:
+        self.asked.add(name)
+        return super().window(name, start, end, match)
+
+
+def test_the_agents_timeline_holds_only_what_its_stages_read(
+    engines: dict[str, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 15: the engines' latency histograms (and every other series no stage reads
+    back) are exported but not kept in the timeline; each stage reads only what it declared.
+    """
+    monkeypatch.setattr(daemon_module, "Timeline", _Spy)
+    with run_agent(engines) as (daemon, stages):
+        tl = daemon.state.timeline
+        assert isinstance(tl, _Spy)
+        exported = {s.name for m in daemon.registry.collect() for s in m.samples}
+        held = tl.names()
+        declared = pipeline.timeline_reads(daemon.config)
+        assert held <= declared, sorted(held - declared)
+        hist = "kvpressure_engine_request_latency_seconds_bucket"
+        assert hist in exported and hist not in held
+        for name in ("kvpressure_engine_kv_cache_usage_ratio", "kvpressure_engine_up",
+                     "kvpressure_engine_requests_running", "kvpressure_psi_stall_seconds_total",
+                     "kvpressure_gpu_memory_used_bytes"):  # fmt: skip
+            assert name in held, name
+        readers = [r for r in stages.runners if r.sampler.timeline_reads]
+        assert {r.sampler.name for r in readers} == {"attribution", "capacity"}
+        for r in readers:  # each stage alone, on the timeline the ticks filled
+            tl.asked.clear()
+            report = r.collect_once()
+            assert report.ok, (r.sampler.name, report.reason)
+            assert tl.asked, r.sampler.name
+            assert tl.asked <= r.sampler.timeline_reads, (
+                r.sampler.name, sorted(tl.asked - r.sampler.timeline_reads))  # fmt: skip

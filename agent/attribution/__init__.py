@@ -92,6 +92,7 @@ def _check(config: Config) -> Iterator[tuple[str, str]]:
     Stage.DERIVED,
     "names the cause of each slow request and window from the timeline",
     check=_check,
+    reads=AttributionSampler.timeline_reads,
 )
 def _plan(ctx: Context) -> list[Plan]:
     cfg = ctx.config

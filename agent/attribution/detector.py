@@ -67,17 +67,24 @@ is fitted through the latest 96, the ratio quantile is over all), ``min_requests
 per token; 0.02 for the longest gap), ``slo_ttft_s = 2.0``, ``slo_tpot_s = 0.5``,
 ``slo_e2e_s = 30.0``, ``coscheduled_tolerance = 2.0`` (below).
 
-**A request the engine says it preempted.** Where the engine reports how often each
-finished request was preempted (vLLM's ``request_num_preemptions``; the caller's
-``own_preemptions``), a request preempted at least once has its decode phases (``tpot``,
-``itl_max``) judged without ``factor``: ``threshold = max(quantile_q'(ratio) x expected,
-expected + floor_s)``. The factor is a margin against calling the fit's own error slow; a
-preempted request's KV was dropped and recomputed, and it waited for blocks in its decode,
-so a decode above the noise the unslowed ones show is that wait, not the fit's error. (On
-the KV-starved CPU vLLM the first requests to be readmitted lost 45 % of their decode to
-the wait and still read only 1.1-1.5 times the fitted cost, which the fit of short calm
-decodes put above their real unslowed cost.) A request known not to have been preempted,
-or whose count is unknown, is judged as any other.
+**A decode beside a preemption.** A decode phase (``tpot``, ``itl_max``) that ran while
+its engine preempted requests (the caller's ``preempted`` intervals overlap its span, or the
+engine says it preempted this request: ``own_preemptions`` >= 1, or ``shared_preemptions``
+>= 1 when its own count is unknown) is judged without ``factor``: ``threshold =
+max(quantile_q'(ratio) x expected, expected + floor_s)``. The factor is a margin against
+calling the fit's own error slow; a preempted request's KV was dropped and recomputed, and
+it waited for blocks in its decode, and the engine recomputes the preempted requests in the
+same steps as every running request's next token, so each decode beside a preemption waits
+too. A decode above the noise the unslowed ones show is that wait, not the fit's error. On
+the KV-starved CPU vLLM the first requests to be readmitted lost 45 % of their decode to the
+wait and still read only 1.1-1.5 times the fitted cost (the fit of short calm decodes puts
+it above their real unslowed cost), and one the engine never preempted decoded in 2.07
+times its stall-free time at 1.29 times the fitted cost. A decode that did not run beside
+a preemption is still slow only above the fit's tail (``quantile_q'`` of the unslowed
+ratio), which an unslowed decode rarely reaches. Requests that finished together between
+two engine samples decoded together: when every one of them is known to the caller and the
+engine counted preemptions for them, each is judged as preempted (``shared_preemptions``),
+which covers a preemption the engine's counter samples missed.
 
 ``q`` is higher than the single-latency baseline's usual p95: up to six phases of every
 request are judged, and a request is slow when any one is, so each phase's tail must be
@@ -93,7 +100,9 @@ expected cost of each phase is its own cost (the fit above) plus the co-schedule
 its span, at the share that is usual for this engine::
 
     work(a, b)   = sum over the engine's other requests o (the caller's ``neighbours``) of
-                   prefill_cost(uncached(o)) x |o's prefill span in [a, b]| / |o's span|
+                   prefill(o) x |o's prefill span in [a, b]| / |o's span|
+    prefill(o)   = min(o's own prefill time, tail_cost(uncached(o))); tail_cost(uncached(o))
+                   when the engine did not say how long o's prefill took
     share        = min(1, tolerance x usual / recent)
     usual        = mean work over the whole life of the requests before the latest 32
                    (up to N; those slow even with all their co-scheduled work excused are
@@ -102,8 +111,12 @@ its span, at the share that is usual for this engine::
     threshold'   = threshold(x) + share x work(phase span)
     slow         = value > threshold'
 
-``prefill_cost`` is the engine's prefill fit (else its TTFT fit): the work is counted at the
-engine's usual speed, so a blocker slowed by a fault excuses no more than usual. For
+``tail_cost`` is the engine's prefill fit (else its TTFT fit) at its tail,
+``quantile_q(ratio) x expected`` without the factor: the most a prefill of that size costs
+when it is not slow. So a blocker slowed by a fault excuses no more than a normal prefill
+could, and one a little slower than the fit's median (it shared the engine too: 3.29 s for
+a 1,650-token prompt fitted at 3.05 s on llama.cpp) is excused whole; counted at the median,
+the difference made the short request it held up slow (2 of 60 in a calm mixed run). For
 ``tpot`` the work is spread over the decode's tokens; for ``itl_max`` only the largest one
 neighbour's part counts (one prefill falls into one gap). ``tolerance`` (2) is how much
 more co-scheduled work than usual the engine may carry before the excess stops being
@@ -167,9 +180,10 @@ TAIL_POINTS = 3
 """Points kept above the tail quantile: ``q`` falls to ``1 - 3/n`` while ``n`` is small."""
 
 TOKEN_SIZED = frozenset({"prefill", "ttft", "e2e"})
-DECODE_PHASES = frozenset({"tpot", "itl_max"})
-"""Phases judged without ``baseline_factor`` for a request its engine says it preempted."""
 """Phases whose size is a token count (cost proportional to it when only one size is seen)."""
+DECODE_PHASES = frozenset({"tpot", "itl_max"})
+"""Phases judged without ``baseline_factor`` when they ran beside a preemption (module
+docstring)."""
 
 TPOT_FLOOR_S = 0.02
 """Absolute floor of the longest inter-token gap's threshold above the expected value."""
@@ -503,21 +517,23 @@ def coscheduled_work(
     neighbours: Iterable[RequestRecord],
     cost: Callable[[float], float],
 ) -> tuple[float, float]:
-    """Other requests' prefill work the engine did in ``[a, b]``, seconds at its usual cost.
+    """Other requests' prefill work the engine did in ``[a, b]``, seconds, at most a normal cost.
 
     Each other record ``o`` of ``record``'s engine with a known uncached prompt and a
     prefill span (``prefill_s`` before its first token, else arrival to first token)
-    contributes ``cost(uncached(o)) x overlap / len(o's prefill span)``: its prefill at the
-    engine's fitted cost, spread evenly over its span, for the part of the span inside
-    ``[a, b]`` (all of it when the span has no length and lies inside). The fitted cost
-    rather than the span's own length, so a prefill slowed by a fault is not excused.
+    contributes ``prefill x overlap / len(o's prefill span)``: its prefill, spread evenly
+    over its span, for the part of the span inside ``[a, b]`` (all of it when the span has
+    no length and lies inside). ``prefill`` is ``min(o.prefill_s, cost(uncached(o)))``, or
+    ``cost(uncached(o))`` without a ``prefill_s``: never more than ``cost``, so a prefill
+    slowed by a fault is not excused past what a normal one costs.
 
     Args:
         record: the request judged (never its own neighbour).
         a: start of the phase's span, Unix seconds.
         b: end of the span.
         neighbours: other requests (any engine; others are skipped).
-        cost: fitted prefill seconds of an uncached prompt of that many tokens.
+        cost: the most seconds an uncached prompt of that many tokens costs to prefill
+            when it is not slow (the prefill fit's tail).
 
     Returns:
         ``(total, largest)``: the sum over the neighbours and the largest single
@@ -541,7 +557,10 @@ def coscheduled_work(
         else:
             share = 1.0 if a <= span[0] <= b else 0.0
         if share > 0:
-            part = share * cost(float(tokens))
+            normal = cost(float(tokens))
+            if o.prefill_s is not None and o.prefill_s >= 0:
+                normal = min(normal, o.prefill_s)
+            part = share * normal
             total += part
             largest = max(largest, part)
     return total, largest
@@ -679,14 +698,16 @@ class SlowDetector:
         return 0 if m is None else len(m.points)
 
     def _prefill_cost(self, engine: str) -> Callable[[float], float] | None:
-        """Fitted seconds of an uncached prompt of ``x`` tokens on ``engine``, or ``None``.
+        """Most seconds a not-slow uncached prompt of ``x`` tokens costs, or ``None``.
 
-        The prefill fit, else the TTFT fit, once it has ``baseline_min_requests`` points.
+        The prefill fit, else the TTFT fit, once it has ``baseline_min_requests`` points:
+        its tail (``quantile_q(ratio) x expected``, no factor, no floor).
         """
         for phase in ("prefill", "ttft"):
             m = self._models.get((engine, phase))
             if m is not None and len(m.points) >= self.min_requests:
-                return m.expected
+                model, q = m, self.q
+                return lambda x: model.threshold(x, q, 1.0, 0.0)[0]
         return None
 
     def _coscheduled(self, engine: str) -> CoScheduledLoad:
@@ -704,6 +725,7 @@ class SlowDetector:
         neighbours: Sequence[RequestRecord] | None = None,
         preempted: Sequence[tuple[float, float]] = (),
         own_preemptions: int | None = None,
+        shared_preemptions: int = 0,
     ) -> Verdict | None:
         """Judge every phase of ``record``; learn from it when no phase was slow.
 
@@ -717,10 +739,16 @@ class SlowDetector:
             preempted: ``(a, b)`` intervals, Unix seconds, sorted and disjoint, in which
                 the engine preempted requests (``kvpressure_engine_preemptions_total`` rose
                 between two samples at ``a`` and ``b``); a phase whose span overlaps one is
-                judged but not learnt (a memory shortage is not the engine's normal cost).
+                judged but not learnt (a memory shortage is not the engine's normal cost),
+                and a decode phase is judged without ``baseline_factor`` (module
+                docstring).
             own_preemptions: how many times the engine preempted this request (vLLM's
                 ``request_num_preemptions``), ``None`` when unknown; at least 1 judges its
                 decode phases without ``baseline_factor`` (module docstring).
+            shared_preemptions: when ``own_preemptions`` is ``None``: the preemptions of the
+                requests that finished with this one between two engine samples, every one
+                of them known to the caller (0: none, or not known); at least 1 judges its
+                decode phases as ``own_preemptions`` >= 1 does.
 
         Returns:
             ``None`` when the record has neither TTFT nor end-to-end latency.
@@ -728,7 +756,10 @@ class SlowDetector:
         r = record
         if r.ttft_s is None and r.e2e_s is None:
             return None
-        preempted_self = own_preemptions is not None and own_preemptions >= 1
+        if own_preemptions is not None:
+            preempted_self = own_preemptions >= 1
+        else:
+            preempted_self = shared_preemptions >= 1
         judged: list[PhaseVerdict] = []
         learn: list[tuple[str, float, float, float]] = []
 
@@ -766,7 +797,8 @@ class SlowDetector:
             own = max(0.0, value - extra)
             if m is not None and len(m.points) >= self.min_requests:
                 fl = self._floor(phase) if floor is None else floor
-                factor = 1.0 if phase in DECODE_PHASES and preempted_self else self.factor
+                beside = phase in DECODE_PHASES and (preempted_self or _overlaps(preempted, a, b))
+                factor = 1.0 if beside else self.factor
                 thr, exp = m.threshold(size, self.q, factor, fl, tokens)
                 judged.append(
                     PhaseVerdict(
@@ -840,7 +872,8 @@ class SlowDetector:
             log.debug(
                 "judged %s request %.3f-%.3f (in %s, out %s, preempted %s): %s",
                 r.engine, r.start, r.end, r.input_tokens, r.output_tokens,
-                "?" if own_preemptions is None else own_preemptions,
+                own_preemptions if own_preemptions is not None
+                else f"? ({shared_preemptions} shared)" if shared_preemptions else "?",
                 "; ".join(
                     f"{p.phase} {p.value_s:.4g} {'>' if p.value_s > p.threshold_s else '<='}"
                     f" {p.threshold_s:.4g} ({p.basis}, expected {_g(p.expected_s)},"

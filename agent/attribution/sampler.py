@@ -39,12 +39,12 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from kvpressure.agent.attribution.detector import SlowDetector, Verdict
 from kvpressure.agent.attribution.engine import Attributor
 from kvpressure.agent.attribution.model import ALL_CAUSES, CAUSES, UNKNOWN, Attribution
-from kvpressure.agent.attribution.rules import LONG_LOOKBACK, METRICS_READ
+from kvpressure.agent.attribution.rules import ENGINE_UP, LONG_LOOKBACK, METRICS_READ
 from kvpressure.agent.attribution.signals import Series, Signals
 from kvpressure.agent.attribution.store import AttributionStore, RequestSummary
 from kvpressure.agent.catalogue import SampleName
@@ -81,6 +81,16 @@ PREEMPTIONS: SampleName = "kvpressure_engine_preemptions_total"
 FINISHED: SampleName = "kvpressure_engine_finished_requests_total"
 FINISHED_PREEMPTIONS: SampleName = "kvpressure_engine_finished_requests_preemptions_total"
 
+TIMELINE_READS: frozenset[str] = frozenset(
+    (*METRICS_READ, ENGINE_LATENCY, ENGINE_UP, RUNNING, STATS_STALE, PREEMPTIONS, FINISHED,
+     FINISHED_PREEMPTIONS)
+)  # fmt: skip
+"""Every metric :class:`AttributionSampler` reads back from the timeline: the rules'
+(:data:`~agent.attribution.rules.METRICS_READ`), the engines' tail latency quantiles, the
+engines seen up (which engines get windows), and what the sampler itself reads to hold,
+size and count requests (running, stale, preemptions, finished requests). The timeline keeps
+these for it while attribution is enabled (:mod:`agent.pipeline`)."""
+
 OWN_PREEMPTIONS_MARGIN_S = 0.1
 """A record's end must lie at least this far from both engine samples around it before the
 finished-request counters between them are read as its own (the engine counts a request
@@ -96,6 +106,26 @@ _uncounted`)."""
 OWN_PREEMPTIONS_LOOKBACK_S = 30.0
 """How far before the earliest ready record's end the finished-request counters are read
 (covers any engine scrape interval)."""
+
+
+class OwnPreemptions(NamedTuple):
+    """What the engine says of one finished request's preemptions.
+
+    Source: vLLM's ``request_num_preemptions``, read by
+    :meth:`AttributionSampler._own_preemptions`.
+
+    Attributes:
+        own: how many times it was preempted; ``None`` when unknown.
+        shared: when ``own`` is unknown, the preemptions of the requests that finished with
+            it between two engine samples, all of them known records (this one included);
+            0 when none or not known.
+    """
+
+    own: int | None
+    shared: int
+
+
+UNKNOWN_PREEMPTIONS = OwnPreemptions(None, 0)
 
 
 def _tail_quantile(labels: Mapping[str, str]) -> bool:
@@ -205,6 +235,7 @@ class AttributionSampler(Sampler):
     """
 
     name = "attribution"
+    timeline_reads = TIMELINE_READS
 
     def __init__(
         self,
@@ -279,7 +310,8 @@ class AttributionSampler(Sampler):
                 batches[i],
                 self._neighbours(r, pool, ends),
                 preempted.get(r.engine, ()),
-                own[i],
+                own[i].own,
+                own[i].shared,
             )
             is_slow = v is not None and v.slow
             self.store.add_request(
@@ -454,7 +486,7 @@ class AttributionSampler(Sampler):
 
     def _own_preemptions(
         self, ready: list[RequestRecord], pool: list[RequestRecord], now: float
-    ) -> list[int | None]:
+    ) -> list[OwnPreemptions]:
         """How many times each ready record's request was preempted, where the engine says.
 
         Source: ``kvpressure_engine_finished_requests_total`` and
@@ -465,7 +497,10 @@ class AttributionSampler(Sampler):
         increase is the record's own preemptions when the count rose by exactly 1 and the
         record is the one known record of its engine that ended between them; 0 for every
         record there when the sum did not rise while the count did. Else (several finished,
-        a sample missing, clients the agent does not see) unknown.
+        a sample missing, clients the agent does not see) unknown; when several finished and
+        they are exactly the known records that ended between the samples, the sum's
+        increase is shared by them (``shared``: the engine preempted at least one of the
+        requests that finished with this one, and none it finished is unseen).
 
         Args:
             ready: the records about to be judged.
@@ -473,9 +508,10 @@ class AttributionSampler(Sampler):
             now: the cycle's time, Unix seconds.
 
         Returns:
-            One entry per ready record: the preemptions (>= 0), or ``None`` when unknown.
+            One entry per ready record: ``own``, the preemptions (>= 0) or ``None`` when
+            unknown, and ``shared`` (>= 0; 0 unless ``own`` is unknown).
         """
-        out: list[int | None] = [None] * len(ready)
+        out = [UNKNOWN_PREEMPTIONS] * len(ready)
         if not ready:
             return out
         sig = Signals.from_timeline(
@@ -507,12 +543,14 @@ class AttributionSampler(Sampler):
             if finished < 1:
                 continue  # the engine has not counted it (yet): nothing to read
             if preemptions == 0:
-                out[i] = 0
+                out[i] = OwnPreemptions(0, 0)
                 continue
             known = ends.get(r.engine, [])
             in_between = bisect.bisect_right(known, b) - bisect.bisect_right(known, a)
             if finished == 1 and in_between == 1:
-                out[i] = round(preemptions)
+                out[i] = OwnPreemptions(round(preemptions), 0)
+            elif finished == in_between:
+                out[i] = OwnPreemptions(None, round(preemptions))
         return out
 
     @staticmethod
@@ -545,7 +583,7 @@ class AttributionSampler(Sampler):
 
     def _engines(self, now: float) -> set[str]:
         engines = self.store.engines_with_requests()
-        for labels in self.timeline.window("kvpressure_engine_up", now - 60.0, now):
+        for labels in self.timeline.window(ENGINE_UP, now - 60.0, now):
             eng = dict(labels).get("engine")
             if eng:
                 engines.add(eng)

@@ -89,6 +89,11 @@ PROMPT_SECONDS: Final = "kvpressure_engine_prompt_seconds_total"
 GEN_TOKENS: Final = "kvpressure_engine_generation_tokens_total"
 GEN_SECONDS: Final = "kvpressure_engine_generation_seconds_total"
 
+TIMELINE_READS: Final = frozenset({USED, RATIO, RUNNING, PROMPT_SECONDS, PROMPT_TOKENS, HITS})
+"""What :class:`CapacitySampler` reads back from the timeline (its windows: used-token
+history and growth, peak occupancy, the request footprint, prefill rates); everything else
+it reads from the latest state. The timeline keeps these for it (:mod:`agent.pipeline`)."""
+
 PROMPT_INCLUDES_HITS = frozenset({"vllm", "sglang", "trtllm"})
 """Engine types whose prompt-token counter includes prefix-cache hits."""
 
@@ -281,6 +286,7 @@ class CapacitySampler(Sampler):
     """
 
     name = "capacity"
+    timeline_reads = TIMELINE_READS
 
     def __init__(
         self,
@@ -573,6 +579,7 @@ def _check(config: Config) -> Iterator[tuple[str, str]]:
     Stage.DERIVED,
     "KV headroom, saturation, time to saturation, latency knee, prefix-reuse savings",
     check=_check,
+    reads=CapacitySampler.timeline_reads,
 )
 def _plan(ctx: Context) -> list[Plan]:
     cfg = ctx.config

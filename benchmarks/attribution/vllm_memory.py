@@ -875,7 +875,7 @@ def main(argv: list[str] | None = None) -> int:
         "--decode-requests",
         type=int,
         default=DECODE.concurrency,
-        help="requests of the decode scenario (one wave of 24 by default)",
+        help=f"requests of the decode scenario (one wave of {DECODE.concurrency} by default)",
     )
     p.add_argument("--workdir", default=None, help="where logs go (default: the temp dir)")
     args = bench.parse(p, argv, SCENARIOS)
