@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from kvpressure.agent.samplers import nvml_binding as nb
@@ -68,6 +68,10 @@ class Engines:
     def __init__(self) -> None:
         self.t0 = time.monotonic()
         self.lab = make_labels({"engine": "vllm", "instance": "127.0.0.1:8000", "model": "m"})
+
+    def views(self, names: Iterable[str]) -> dict[str, dict[Labels, float]]:
+        """``AgentState.latest_many``: each name's synthetic series."""
+        return {n: self.view(n) for n in names}
 
     def view(self, name: str) -> dict[Labels, float]:
         t = time.monotonic() - self.t0
@@ -115,7 +119,7 @@ def run(seconds: float, hz: float, gpus: int, profile: str, inline: bool) -> dic
         engine_pids=lambda: pids,
         gpu_timeout_s=0 if inline else None,
     )
-    accelerator = AcceleratorSampler(lambda: None, engines.view, gpu_interval_s=1.0 / hz)
+    accelerator = AcceleratorSampler(lambda: None, engines.views, gpu_interval_s=1.0 / hz)
 
     def cycle() -> Batch:
         b = Batch()

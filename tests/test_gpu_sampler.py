@@ -76,6 +76,10 @@ class Engines:
     def view(self, name):
         return dict(self.series.get(name, {}))
 
+    def views(self, names):
+        """``AgentState.latest_many`` of the fake engine."""
+        return {n: self.view(n) for n in names}
+
 
 class WithAccelerator:
     """The GPU source and the accelerator stage it triggers, as one daemon tick runs them.
@@ -160,7 +164,7 @@ def test_every_profile_samples_cleanly(profile):
 def test_h200_serves_every_design_gpu_metric_with_real_values():
     eng = Engines()
     eng.set("vllm", running=8, waiting=2, prompt=0, generation=0)
-    s, _fake, clock = make("h200", state_view=eng.view, engine_pids=lambda: {4242: "vllm"})
+    s, _fake, clock = make("h200", state_view=eng.views, engine_pids=lambda: {4242: "vllm"})
     for i in range(4):
         eng.set("vllm", running=8, waiting=2, prompt=1000 * i, generation=200 * i)
         b = collect(s)
@@ -301,7 +305,7 @@ def test_case04_exposition_passes_promtool(tmp_path):
     if promtool is None:
         pytest.skip("promtool not installed")
     eng = Engines()
-    s, _fake, clock = make("h200", state_view=eng.view)
+    s, _fake, clock = make("h200", state_view=eng.views)
     m, _f, mclock = make("a100-80gb-mig")
     batches = []
     for i in range(3):
@@ -322,7 +326,7 @@ def test_through_agent_state_and_the_prometheus_exporter():
 
     eng = Engines()
     state = AgentState(Timeline())
-    s, _fake, clock = make("h200", state_view=state.latest)
+    s, _fake, clock = make("h200", state_view=state.latest_many)
     for _ in range(3):
         b = collect(s)
         state.publish(SamplerReport("gpu", time.time(), 0.01, True, "", b))
@@ -429,7 +433,7 @@ def test_case06_driver_reload_under_a_running_agent():
     eng = Engines()
     eng.set("vllm", running=1, waiting=3)
     s, fake, clock = make(
-        "driver-mismatch-heals", state_view=eng.view, fake_opts={"init_failures": 0}
+        "driver-mismatch-heals", state_view=eng.views, fake_opts={"init_failures": 0}
     )
     for _ in range(3):
         b = collect(s)
@@ -507,7 +511,7 @@ def test_case07_mig_parent_and_instances():
 def test_mig_instances_inherit_the_parents_throttling():
     eng = Engines()
     eng.set("vllm", running=2, waiting=1)
-    s, fake, clock = make("a100-80gb-mig", state_view=eng.view, engine_pids=lambda: {6100: "vllm"})
+    s, fake, clock = make("a100-80gb-mig", state_view=eng.views, engine_pids=lambda: {6100: "vllm"})
     collect(s)
     fake.set(0, clocks_event_reasons=["hw_power_brake_slowdown"])
     for _ in range(3):
@@ -520,7 +524,7 @@ def test_mig_instances_inherit_the_parents_throttling():
 # ---- stall time ------------------------------------------------------------------------------
 def test_stall_phases_move_only_the_matching_reason():
     eng = Engines()
-    s, fake, clock = make("h200", state_view=eng.view)
+    s, fake, clock = make("h200", state_view=eng.views)
     eng.set("vllm", running=1, waiting=4)
     collect(s)  # first cycle: no dt yet
 
@@ -547,7 +551,7 @@ def test_stall_phases_move_only_the_matching_reason():
 def test_stall_reason_without_its_signals_never_accrues():
     eng = Engines()
     eng.set("llamacpp", running=1, waiting=2)
-    s, fake, clock = make("gb10", state_view=eng.view)  # no GPM
+    s, fake, clock = make("gb10", state_view=eng.views)  # no GPM
     fake.set(0, utilization_gpu=95, clocks_event_reasons=[])
     for _ in range(3):
         b = collect(s)
@@ -568,7 +572,7 @@ def test_stall_reason_without_its_signals_never_accrues():
 def test_stall_does_not_accrue_across_a_gap():
     eng = Engines()
     eng.set("vllm", running=1, waiting=1)
-    s, fake, clock = make("h200", state_view=eng.view)
+    s, fake, clock = make("h200", state_view=eng.views)
     fake.set(0, utilization_gpu=1)
     collect(s)
     clock.tick(1)
@@ -630,7 +634,7 @@ def test_bytes_per_token_and_tokens_per_byte():
     eng = Engines()
     pids = {5100: "vllm", 5101: "vllm"}
     s, _fake, clock = make(
-        "h100-sxm", fake_opts={"gpus": 2}, state_view=eng.view, engine_pids=lambda: pids
+        "h100-sxm", fake_opts={"gpus": 2}, state_view=eng.views, engine_pids=lambda: pids
     )
     for i in range(10):
         eng.set("vllm", running=8, waiting=0, prompt=20000 * i, generation=3000 * i)
@@ -655,7 +659,7 @@ def test_per_token_figures_are_absent_when_tokens_are_unknown():
     s, _f, clock = make("h100-sxm", fake_opts={"gpus": 1})  # no state view
     eng = Engines()
     eng.set("vllm", running=3, waiting=1)  # request gauges but no token counters
-    s2, _f2, clock2 = make("h100-sxm", fake_opts={"gpus": 1}, state_view=eng.view)
+    s2, _f2, clock2 = make("h100-sxm", fake_opts={"gpus": 1}, state_view=eng.views)
     for _ in range(5):
         b, b2 = collect(s), collect(s2)
         clock.tick()
@@ -668,7 +672,7 @@ def test_per_token_figures_are_absent_when_tokens_are_unknown():
 
 def test_bytes_per_token_absent_without_pcie_counters_and_zero_tokens_is_not_a_division():
     eng = Engines()
-    s, _f, clock = make("a100-80gb-mig", state_view=eng.view)  # PCIe counters unsupported
+    s, _f, clock = make("a100-80gb-mig", state_view=eng.views)  # PCIe counters unsupported
     for i in range(5):
         eng.set("vllm", running=1, waiting=0, prompt=100 * i, generation=0)
         b = collect(s)
@@ -677,7 +681,7 @@ def test_bytes_per_token_absent_without_pcie_counters_and_zero_tokens_is_not_a_d
     assert sources(b)["gpu0.pcie"] == ("unsupported", "not_supported")
     assert get(b, "kvpressure_tokens_per_byte", gpu="0") > 0
     eng2 = Engines()
-    s2, _f2, clock2 = make("h200", state_view=eng2.view)
+    s2, _f2, clock2 = make("h200", state_view=eng2.views)
     for _ in range(5):
         eng2.set("vllm", running=0, waiting=0, prompt=5, generation=5)  # idle: no tokens
         b = collect(s2)
@@ -690,7 +694,7 @@ def test_bytes_per_token_absent_without_pcie_counters_and_zero_tokens_is_not_a_d
 def test_engines_map_to_their_gpus_and_unknown_ones_count_everywhere():
     eng = Engines()
     s, fake, clock = make(
-        "h100-sxm", fake_opts={"gpus": 2}, state_view=eng.view, engine_pids=lambda: {5100: "a"}
+        "h100-sxm", fake_opts={"gpus": 2}, state_view=eng.views, engine_pids=lambda: {5100: "a"}
     )
     for i in (0, 1):
         fake.set(i, utilization_gpu=2)
@@ -788,7 +792,7 @@ def test_hopper_mig_instances_get_gpm_through_the_mig_sample():
     }
     eng = Engines()
     eng.set("vllm", running=1, waiting=1)
-    s, fake, clock = make(spec, state_view=eng.view)
+    s, fake, clock = make(spec, state_view=eng.views)
     for _ in range(3):
         b = collect(s)
         clock.tick()
@@ -927,7 +931,7 @@ def test_issue17_a_discrete_gpu_on_a_big_host_is_not_unified(tmp_path):
 # ---- issue 17, kind 6: an engine that disagrees with NVML is flagged, NVML wins ------------
 def test_issue17_engine_gpu_view_disagreeing_with_nvml_is_flagged():
     eng = Engines()
-    s, _fake, _clock = make("h200", state_view=eng.view)
+    s, _fake, _clock = make("h200", state_view=eng.views)
     uuid = "GPU-5eed0200-0000-4000-8000-000000000000"
     nvml_v1_used = (87321 + 700) * MIB  # what the engine's own NVML v1 call calls used
 
@@ -1178,7 +1182,7 @@ def test_one_pass_read_of_a_gpu_report_equals_the_two_pass_one(profile):
 
     engines = Engines()
     engines.set("vllm", running=4, waiting=1, prompt=100, generation=50)
-    sampler, _fake, clock = make(profile, state_view=engines.view)
+    sampler, _fake, clock = make(profile, state_view=engines.views)
     for _ in range(6):
         b = Batch()
         sampler.gpu.collect(b)

@@ -29,7 +29,7 @@ from kvpressure.agent.requests.record import RequestStream
 from kvpressure.agent.samplers.engines import ENGINE_TYPES as ENGINE_MAPPINGS
 from kvpressure.agent.samples import Batch
 from kvpressure.agent.scheduler import Runners
-from kvpressure.agent.state import AgentState
+from kvpressure.agent.state import AgentState, SamplerReport
 from kvpressure.agent.timeline import Timeline
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -342,3 +342,27 @@ def test_a_derived_stage_whose_sources_are_all_off_is_reported_not_silent(tmp_pa
                        capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
     assert r.returncode == 0, r.stderr
     assert "warning: samplers.accelerator is enabled but will not run" in r.stderr
+
+
+def test_latest_many_answers_each_name_as_latest_does() -> None:
+    """One pass over the reports gives, per name, what one ``latest`` call per name gives:
+    healthy reports only, the first sampler by name winning a series both report."""
+    state = AgentState(Timeline())
+    running, waiting = "kvpressure_engine_requests_running", "kvpressure_engine_requests_waiting"
+
+    def batch(*samples: tuple[str, float, str]) -> Batch:
+        b = Batch()
+        for name, value, engine in samples:
+            b.add(name, value, engine=engine)
+        return b
+
+    state.publish(
+        SamplerReport("b", 1.0, 0.0, True, "", batch((running, 2, "x"), (waiting, 5, "y")))
+    )
+    state.publish(SamplerReport("a", 1.0, 0.0, True, "", batch((running, 1, "x"))))
+    state.publish(SamplerReport("c", 1.0, 0.0, False, "timeout", None))
+    names = (running, waiting, "kvpressure_engine_kv_cache_usage_ratio")
+    many = state.latest_many(names)
+    assert many == {n: state.latest(n) for n in names}
+    assert {dict(k)["engine"]: v for k, v in many[running].items()} == {"x": 1.0}
+    assert many["kvpressure_engine_kv_cache_usage_ratio"] == {}

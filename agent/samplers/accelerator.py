@@ -56,7 +56,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -90,6 +90,13 @@ ENGINE_GPU_VIEWS: Final[dict[str, SampleName]] = {
     "memory_used": m.ENGINE_GPU_MEMORY_USED_BYTES,
 }
 """Engine metrics that restate an NVML reading (Triton's nv_gpu_*), by signal."""
+_VIEWED: Final[tuple[SampleName, ...]] = (
+    *ENGINE_GPU_VIEWS.values(),
+    RUNNING,
+    WAITING,
+    *TOKEN_COUNTERS,
+)
+"""Every engine metric the stage reads from the state, asked in one call per tick."""
 DISAGREE_TOTAL_SHARE: Final = 0.01
 DISAGREE_USED_SHARE: Final = 0.05
 DISAGREE_USED_MIN_BYTES: Final = float(2**30)
@@ -97,8 +104,8 @@ MAX_DEVICES: Final = 4096
 """Devices (GPUs and MIG instances) whose counters are remembered; the least recently seen
 is forgotten first (a MIG layout that churns cannot grow memory without bound)."""
 
-StateView = Callable[[SampleName], dict[Labels, float]]
-"""``AgentState.latest``: metric name → {labels: current value}."""
+StateView = Callable[[Iterable[SampleName]], Mapping[SampleName, Mapping[Labels, float]]]
+"""``AgentState.latest_many``: metric names → each name's {labels: current value}."""
 
 _DEVICE_KEYS: Final = frozenset({"gpu", "uuid", "mig"})
 
@@ -383,7 +390,8 @@ class AcceleratorSampler(Sampler):
 
     Args:
         gpu_report: returns the GPU sampler's latest report (``AgentState.report("gpu")``).
-        state_view: ``AgentState.latest``: the engines' request gauges and token counters.
+        state_view: ``AgentState.latest_many``: the engines' request gauges and token
+            counters, all asked in one call per tick.
         thresholds: a :class:`StallThresholds`, or any object with the same attributes
             (``config.GpuConfig``); ``None`` for the defaults.
         gpu_interval_s: the GPU sampler's interval: a gap longer than ``max(5 x it, 5 s)``
@@ -475,8 +483,9 @@ class AcceleratorSampler(Sampler):
         view = self._state_view
         if view is None:
             return out
+        views = view(_VIEWED)
         for signal, metric in ENGINE_GPU_VIEWS.items():
-            for labels, value in view(metric).items():
+            for labels, value in views[metric].items():
                 engine, uuid = _label(labels, "engine"), _label(labels, "uuid")
                 if engine is not None and uuid is not None:
                     out.gpu_views.setdefault((uuid, signal), {})[engine] = value
@@ -485,7 +494,7 @@ class AcceleratorSampler(Sampler):
             (WAITING, out.waiting),
         )
         for metric, target in gauges:
-            for labels, value in view(metric).items():
+            for labels, value in views[metric].items():
                 engine = _label(labels, "engine")
                 if engine is not None:
                     target[engine] = target.get(engine, 0.0) + value
@@ -493,7 +502,7 @@ class AcceleratorSampler(Sampler):
         cum: dict[str, float] = {}
         series: dict[str, set[Labels]] = {}
         for metric in TOKEN_COUNTERS:
-            for labels, value in view(metric).items():
+            for labels, value in views[metric].items():
                 engine = _label(labels, "engine")
                 if engine is not None:
                     cum[engine] = cum.get(engine, 0.0) + value
@@ -642,7 +651,7 @@ def _plan(ctx: Context) -> list[Plan]:
             spec,
             lambda: AcceleratorSampler(
                 lambda: state.report("gpu"),
-                state.latest,
+                state.latest_many,
                 thresholds=cfg.gpu,
                 gpu_interval_s=gpu_interval,
                 interval_s=ctx.interval_s("accelerator"),
