@@ -62,9 +62,10 @@ def test_the_daemon_imports_no_protobuf_or_opentelemetry_until_a_feature_needs_t
     assert out.stdout.strip() == "[]"
 
 
-def test_a_node_without_a_pod_resources_socket_imports_no_protobuf() -> None:
+def test_a_node_without_pod_resources_or_basic_auth_imports_no_protobuf_or_bcrypt() -> None:
     # the GPU stage built and ticked as `kvpressure run` builds it (fake GPUs, no kubelet
-    # socket): the pod-resources client and its protobuf messages stay unimported
+    # socket, no web config): the pod-resources client, its protobuf messages and bcrypt
+    # stay unimported (test_webconfig.py checks basic auth still works with users)
     code = (
         "import sys\n"
         "from kvpressure.agent.config import parse\n"
@@ -75,7 +76,7 @@ def test_a_node_without_a_pod_resources_socket_imports_no_protobuf() -> None:
         "stages.tick()\n"
         "stages.close()\n"
         "print(sorted({m.split('.')[0] for m in sys.modules if m.startswith('google')}),"
-        " 'kvpressure.agent.podresources' in sys.modules)"
+        " 'kvpressure.agent.podresources' in sys.modules, 'bcrypt' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[] False"
+    assert out.stdout.strip() == "[] False False"
