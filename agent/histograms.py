@@ -303,6 +303,11 @@ class WindowedHistogram:
                 self.resets += 1
                 self._ring.clear()
                 self._ring.append(_Point(last.t, snap.zero()))
+            elif snap == last.snap:
+                # no observation since the last scrape: hold that snapshot again, not an
+                # equal copy (a quiet engine's ring is then one snapshot, not 60 of ~20
+                # floats each; issue 15, the node's memory)
+                snap = last.snap
         self._ring.append(_Point(t, snap))
         self._expire(t)
         return reset

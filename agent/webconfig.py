@@ -37,7 +37,6 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Final, Literal
 
-import bcrypt
 import yaml
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -96,6 +95,10 @@ class WebSecurity:
         for user, hashed in self._users.items():
             if not hashed.startswith((b"$2a$", b"$2b$", b"$2y$")):
                 raise ConfigError(f"basic_auth_users.{user}: expected a bcrypt hash ($2y$...)")
+        if self._users:
+            # loaded here, at start, only for a listener with users: bcrypt's library is
+            # ~0.4 MiB of resident memory an agent without basic auth does not need
+            import bcrypt  # noqa: F401
         self._ok: dict[bytes, None] = {}
         self.exempt: Callable[[web.Request], bool] = lambda _request: False
         """Requests the basic-auth middleware lets through because their handler checks
@@ -146,6 +149,8 @@ class WebSecurity:
 
 
 def _checkpw(password: bytes, hashed: bytes) -> bool:
+    import bcrypt  # loaded by WebSecurity when it has users
+
     try:
         return bcrypt.checkpw(password, hashed)
     except ValueError:

@@ -172,6 +172,14 @@ def test_wanted_families_is_closed_under_total() -> None:
             assert name[:-6] in w
 
 
+def test_engines_of_one_type_share_one_wanted_set() -> None:
+    # each engine sampler keeps its mapping's wanted set: 8 vLLM engines hold one set,
+    # not 8 equal copies (issue 15, the node's memory)
+    first, second = ENGINE_TYPES["vllm"].reads(), ENGINE_TYPES["vllm"].reads()
+    assert first is second
+    assert wanted_families(iter(["x_bucket"])) is wanted_families(["x_bucket"])
+
+
 def _normalized(etype: str, bodies: list[str], wanted: frozenset[str] | None) -> list[object]:
     n = Normalizer(ENGINE_TYPES[etype], "e", "h:1")
     out: list[object] = []

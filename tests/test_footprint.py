@@ -60,3 +60,23 @@ def test_the_daemon_imports_no_protobuf_or_opentelemetry_until_a_feature_needs_t
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_a_node_without_pod_resources_or_basic_auth_imports_no_protobuf_or_bcrypt() -> None:
+    # the GPU stage built and ticked as `kvpressure run` builds it (fake GPUs, no kubelet
+    # socket, no web config): the pod-resources client, its protobuf messages and bcrypt
+    # stay unimported (test_webconfig.py checks basic auth still works with users)
+    code = (
+        "import sys\n"
+        "from kvpressure.agent.config import parse\n"
+        "from kvpressure.agent.daemon import Daemon\n"
+        "cfg = parse('listen: 127.0.0.1:0\\ndiscovery: {enabled: false}\\n"
+        'otlp_receiver: {enabled: false}\\ngpu: {binding: "fake:h100-sxm"}\\n\')\n'
+        "stages = Daemon(cfg).pipeline_once()\n"
+        "stages.tick()\n"
+        "stages.close()\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules if m.startswith('google')}),"
+        " 'kvpressure.agent.podresources' in sys.modules, 'bcrypt' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[] False False"

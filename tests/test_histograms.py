@@ -95,6 +95,22 @@ def test_window_is_the_delta_over_the_last_60s() -> None:
     assert w.quantile(0.5) is None
 
 
+def test_a_quiet_series_holds_one_snapshot_not_equal_copies() -> None:
+    # every scrape parses new, equal floats; the ring keeps the first snapshot each time
+    # (issue 15: 8 quiet engines' 60 s windows were ~3 MiB of equal copies)
+    w = WindowedHistogram(60)
+    first = snap(1, 2, 3, 3, 3)
+    for t in range(0, 61):
+        w.update(t, snap(1, 2, 3, 3, 3))
+    w.update(0, first)  # older than the newest: ignored
+    held = {id(p.snap) for p in w._ring}
+    assert len(w._ring) == 61 and len(held) == 1
+    w.update(61, snap(1, 2, 4, 4, 4))  # one observation: a snapshot of its own
+    delta = w.window()
+    assert delta is not None and delta.cumulative == (0, 0, 1, 1, 1)
+    assert len({id(p.snap) for p in w._ring}) == 2
+
+
 def test_window_baseline_is_the_last_snapshot_at_or_before_the_cutoff() -> None:
     w = WindowedHistogram(60)
     for t, n in [(0, 0), (20, 10), (40, 20), (70, 30)]:

@@ -808,14 +808,19 @@ def _plan(ctx: Context) -> list[Plan]:
     spec = ("gpu", cfg.gpu, interval)  # GpuConfig is frozen: hashable
 
     def build() -> GpuSampler:
-        from kvpressure.agent.podresources import make_client
-
         socket = cfg.gpu.pod_resources_socket
+        pod_names = None
+        if socket:
+            # imported only here: protobuf adds ~2 MiB of resident memory to an agent that
+            # has no pod-resources socket configured (benchmarks/agent_footprint.py)
+            from kvpressure.agent.podresources import make_client
+
+            pod_names = make_client(socket)
         return GpuSampler(
             binding=cfg.gpu.binding,
             interval_s=interval,
             engine_pids=ctx.engine_pids,
-            pod_names=make_client(socket) if socket else None,
+            pod_names=pod_names,
         )
 
     return [Plan("gpu", spec, build)]

@@ -37,6 +37,7 @@ body it does not accept goes to the library. What this module adds around them:
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Callable, Iterable, Mapping
@@ -659,8 +660,20 @@ def wanted_families(names: Iterable[str]) -> frozenset[str]:
         declared it (``# TYPE x_total counter``, ``# TYPE x counter`` or an untyped
         ``x_total`` line), while the ``x_created`` families Python clients write beside
         each counter and histogram are skipped (no mapping reads a creation time). The set
-        is closed under adding and removing ``_total``.
+        is closed under adding and removing ``_total``. The same ``names`` give the same
+        set object (the last :data:`_WANTED_KEPT` are kept): each engine of one type holds
+        one shared set, not a copy (~70 KiB for vLLM's mapping).
     """
+    return _wanted_families(tuple(names))
+
+
+_WANTED_KEPT: Final = 64
+"""Distinct name lists whose :func:`wanted_families` sets are kept (one per engine mapping
+and gauge subset in use; a node runs a handful)."""
+
+
+@functools.lru_cache(maxsize=_WANTED_KEPT)
+def _wanted_families(names: tuple[str, ...]) -> frozenset[str]:
     out: set[str] = set()
     for name in names:
         for variant in {name, name.replace(":", "_", 1)}:
