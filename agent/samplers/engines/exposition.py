@@ -105,28 +105,23 @@ class LabelSet(dict[str, str]):
     Attributes:
         pairs: the pairs sorted by label name: with the sample name, the series' identity
             (what :class:`~agent.samplers.engines.normalize.MetricIndex` keys series by).
+        bucket: ``(pairs without le, le)`` of a histogram bucket sample, what
+            :func:`bucket_key` gives; ``le`` is :func:`parse_le` of the ``le`` label
+            (``None`` when absent or not a number). Worked out when the set is built (once
+            per label text), a plain attribute so a reader of many samples can fetch it
+            with :func:`operator.attrgetter`.
     """
 
-    __slots__ = ("_bucket", "pairs")
+    __slots__ = ("bucket", "pairs")
 
     def __init__(self, pairs: Iterable[tuple[str, str]] = ()) -> None:
         super().__init__(pairs)
         self.pairs: tuple[tuple[str, str], ...] = tuple(sorted(super().items()))
-        self._bucket: tuple[tuple[tuple[str, str], ...], float | None] | None = None
-
-    @property
-    def bucket(self) -> tuple[tuple[tuple[str, str], ...], float | None]:
-        """``(pairs without le, le)`` of a histogram bucket sample (computed once).
-
-        ``le`` is :func:`parse_le` of the ``le`` label: ``None`` when absent or not a number.
-        """
-        got = self._bucket
-        if got is None:
-            got = self._bucket = (
-                tuple(p for p in self.pairs if p[0] != "le"),
-                parse_le(self.get("le")),
-            )
-        return got
+        self.bucket: tuple[tuple[tuple[str, str], ...], float | None] = (
+            (tuple(p for p in self.pairs if p[0] != "le"), parse_le(self.get("le")))
+            if "le" in self
+            else (self.pairs, None)
+        )
 
     def _read_only(self, *_args: object, **_kwargs: object) -> None:
         raise TypeError("LabelSet is shared by every sample with these labels: copy it first")

@@ -91,11 +91,13 @@ import bisect
 import functools
 import logging
 import math
+import operator
 import re
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from itertools import groupby, repeat
 from typing import Final, Literal, NamedTuple, cast
 
 from kvpressure.agent.catalogue import HistogramName, SampleName, histogram_names
@@ -115,6 +117,7 @@ from kvpressure.agent.histograms import (
 from kvpressure.agent.logs import RateLimitedLog
 from kvpressure.agent.samplers.base import LogOnce
 from kvpressure.agent.samplers.engines.exposition import (
+    LabelSet,
     ParsedFamily,
     ParseResult,
     bucket_key,
@@ -361,6 +364,37 @@ mode adds ``pid`` to gauges in ``all``/``liveall`` mode); series differing only 
 one fact, collapsed by :func:`collapse_per_process`."""
 _PER_PROCESS_ORDERED: Final = tuple(sorted(PER_PROCESS_LABELS))
 
+_new_tuple: Final = tuple.__new__
+_REPEAT_SERIES: Final = repeat(Series)
+"""``map(tuple.__new__, _REPEAT_SERIES, rows)``: :class:`Series` built without the named
+tuple's Python-level ``__new__``."""
+_NAME: Final = operator.itemgetter(0)
+_LABELS: Final = operator.itemgetter(1)
+_VALUE: Final = operator.itemgetter(2)
+_NAME_FAMILY: Final = operator.itemgetter(0, 3)
+_PAIRS: Final = operator.attrgetter("pairs")
+_BUCKET: Final = operator.attrgetter("bucket")
+
+
+def _read_only(labels: list[Mapping[str, str]]) -> bool:
+    """True when every label set is the fast parser's shared, read-only :class:`LabelSet`."""
+    return not labels or set(map(type, labels)) == {LabelSet}
+
+
+def _per_process(families: list[ParsedFamily]) -> bool:
+    """True when a sample carries a per-process label (:data:`PER_PROCESS_LABELS`).
+
+    Asked of every label set at C speed: only then does :class:`MetricIndex` take its
+    sample-by-sample path.
+    """
+    for fam in families:
+        labels = list(map(_LABELS, fam.samples))
+        for k in _PER_PROCESS_ORDERED:
+            if any(map(operator.contains, labels, repeat(k))):
+                return True
+    return False
+
+
 MERGE_DUPLICATE: Final = "duplicate"
 MERGE_PER_PROCESS: Final = "per_process"
 
@@ -450,29 +484,19 @@ class MetricIndex:
         self.collapsed = 0
         self.plain = True
         """No repeated series and no per-process label: each sample filed as it came."""
-        if plain:
-            # the caller knows these families repeat no series and carry no per-process
-            # label (a result of the same ParseResult.shape had none): file each sample
-            for fam in families:
-                self.family_names.append(fam.name)
-                routes: dict[str, tuple[list[Series], list[Series] | None]] = {}
-                for name, labels, value, _ in fam.samples:
-                    route = routes.get(name)
-                    if route is None:
-                        route = routes[name] = self._route(name, fam)
-                    series = Series(name, labels, value, fam)
-                    route[0].append(series)
-                    if route[1] is not None:
-                        route[1].append(series)
+        if not isinstance(families, list):
+            families = list(families)
+        if plain or not _per_process(families):
+            self._file(families, check=not plain)
             return
         latest: dict[tuple[str, LabelPairs], Series] = {}
         per_process = False
         size = 0
-        for fam in families:
+        for fam in families:  # a per-process label: the general path, sample by sample
             self.family_names.append(fam.name)
             # each sample is filed under its names as it comes (one list per name and
             # family, looked up once); a repeated or per-process series files all again
-            routes = {}
+            routes: dict[str, tuple[list[Series], list[Series] | None]] = {}
             for s in fam.samples:
                 name, labels, value, _ = s
                 # a LabelSet from the fast parser carries its sorted pairs (one per text)
@@ -516,6 +540,44 @@ class MetricIndex:
                 value = collapse_per_process(name, one.family, [c.value for c in copies])
                 one = Series(name, dict(pairs), value, one.family)
             self._add(one)
+
+    def _file(self, families: list[ParsedFamily], check: bool) -> None:
+        """File the samples of families that carry no per-process label.
+
+        Each family's samples are built into :class:`Series` at C speed; with ``check``, a
+        repeated series (same name and sorted label pairs) keeps only its last copy, in
+        that copy's place (:attr:`duplicates`), as the sample-by-sample path does. The kept
+        series are filed a run of one name (and family) at a time.
+        """
+        built: list[Series] = []
+        keys: list[tuple[str, LabelPairs]] = []
+        for fam in families:
+            self.family_names.append(fam.name)
+            samples = fam.samples
+            if not samples:
+                continue
+            names = list(map(_NAME, samples))
+            labels = list(map(_LABELS, samples))
+            rows = zip(names, labels, map(_VALUE, samples), repeat(fam))
+            built.extend(map(_new_tuple, _REPEAT_SERIES, rows))
+            if check:
+                pairs = map(_PAIRS, labels) if _read_only(labels) else map(label_pairs, labels)
+                keys.extend(zip(names, pairs, strict=True))
+        kept: Iterable[Series] = built
+        if check:
+            last = dict(zip(keys, range(len(keys)), strict=True))  # a key's last position
+            if len(last) != len(keys):
+                self.duplicates = len(keys) - len(last)
+                self.plain = False
+                kept = map(built.__getitem__, sorted(last.values()))
+        for (name, fam), run in groupby(kept, _NAME_FAMILY):
+            by_sample, by_family = self._route(name, fam)
+            if by_family is None:
+                by_sample.extend(run)
+            else:
+                got = list(run)
+                by_sample.extend(got)
+                by_family.extend(got)
 
     def _add(self, series: Series) -> None:
         by_sample, by_family = self._route(series.name, series.family)
