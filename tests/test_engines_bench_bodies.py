@@ -11,12 +11,20 @@ three ways, and all must give the same scrapes:
 * the agent's fast path with the vLLM mapping's families only (``parse_exposition``);
 * the sampler's path, :class:`~agent.samplers.engines.exposition.Reparse` (results of one
   shape, so the normalizer's per-shape cache is used).
+
+The three share the normalizer's code, so a digest of the reference's scrapes (samples,
+models, emitted sets, counts; sets and samples sorted) is also held against
+``tests/fixtures/golden/bench-bodies-normalized.sha256``, written by the normalizer before
+these shortcuts (main at 07bd06a) and regenerated with ``KVPRESSURE_UPDATE_GOLDEN=1``
+(review why it changed).
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import logging
+import os
 import sys
 import types
 from collections.abc import Iterator
@@ -30,6 +38,8 @@ from kvpressure.agent.samplers.engines.normalize import NormalizedScrape, Normal
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXT = "text/plain; version=0.0.4"
+GOLDEN = ROOT / "tests" / "fixtures" / "golden" / "bench-bodies-normalized.sha256"
+UPDATE = os.environ.get("KVPRESSURE_UPDATE_GOLDEN") == "1"
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +71,31 @@ def _view(n: NormalizedScrape) -> tuple[object, ...]:
     )
 
 
+def _digest(view: tuple[object, ...]) -> str:
+    """sha256 of a scrape view with its sets and samples in a stable order (hash seeds vary)."""
+    samples, models, emitted, emitted_labels, *rest = view
+    stable = (
+        sorted(map(repr, samples)),
+        models,
+        sorted(map(repr, emitted)),
+        sorted((repr(k), sorted(map(repr, v))) for k, v in emitted_labels.items()),
+        rest,
+    )
+    return hashlib.sha256(repr(stable).encode()).hexdigest()
+
+
+def _golden() -> dict[str, str]:
+    if not GOLDEN.exists():
+        return {}
+    return dict(ln.split(" ", 1) for ln in GOLDEN.read_text().splitlines() if ln)
+
+
+def _write_golden(key: str, digest: str) -> None:
+    got = _golden()
+    got[key] = digest
+    GOLDEN.write_text("".join(f"{k} {v}\n" for k, v in sorted(got.items())))
+
+
 @pytest.mark.parametrize(("mb", "min_models"), [(1.0, 20), (3.4, 80)])
 def test_fast_normalize_of_the_benchmark_bodies_equals_the_reference(
     bench: types.ModuleType, mb: float, min_models: int, caplog: pytest.LogCaptureFixture
@@ -88,6 +123,10 @@ def test_fast_normalize_of_the_benchmark_bodies_equals_the_reference(
         for k, (library, quick, shaped) in enumerate(parsed):
             want = _view(ref.normalize(library, now=k * 5.0))
             assert len(want[0]) > 1000
+            key = f"{mb}MB-cap{'all' if cap > models else cap}-scrape{k}"
+            if UPDATE:
+                _write_golden(key, _digest(want))
+            assert _golden().get(key) == _digest(want), (key, "differs from the golden digest")
             assert _view(fast.normalize(quick, now=k * 5.0)) == want, (mb, cap, k, "fast")
             assert _view(cached.normalize(shaped, now=k * 5.0)) == want, (mb, cap, k, "shape")
         assert fast.restarts == ref.restarts == cached.restarts

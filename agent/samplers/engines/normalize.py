@@ -1056,6 +1056,11 @@ class Normalizer:
         self._layouts: dict[
             int, tuple[str | None, list[Mapping[str, str]], list[Mapping[str, str]], _Layout]
         ] = {}
+        # the same for a gauge or counter rule's statics: (source used, default model, label
+        # sets, statics) (Normalizer._values)
+        self._statics: dict[
+            int, tuple[str, str | None, list[Mapping[str, str]], list[_Static | None]]
+        ] = {}
 
     @property
     def capped_labels(self) -> tuple[str, ...]:
@@ -1204,6 +1209,21 @@ class Normalizer:
         cache: _ShapeCache | None = None,
     ) -> tuple[list[_Pending], bool]:
         statics = cache.statics.get(index) if cache is not None else None
+        labels: list[Mapping[str, str]] | None = None
+        if statics is None:
+            # without a shape: kept per rule while the series come with the very same
+            # read-only label sets as last time (and the same source and default model)
+            labels = list(map(_LABELS, series))
+            seen = self._statics.get(index)
+            if (
+                seen is not None
+                and seen[0] == used
+                and seen[1] == default_model
+                and _same_objects(seen[2], labels)
+            ):
+                statics = seen[3]
+                if cache is not None:
+                    cache.statics[index] = statics
         if statics is None:
             # per series, what its labels alone give (the same for every scrape of a shape)
             statics = []
@@ -1217,6 +1237,10 @@ class Normalizer:
                 statics.append((extra, order, (rule.canonical + "|" + used, order), model))
             if cache is not None:
                 cache.statics[index] = statics
+            if labels is not None and _read_only(labels):
+                self._statics[index] = (used, default_model, labels, statics)
+            else:
+                self._statics.pop(index, None)
         kind = rule.kind
         if kind == "counter" and looks_like_gauge(used, series[0].family.help):
             kind = "gauge"
@@ -1804,11 +1828,16 @@ class Normalizer:
         value: float,
         extra: LabelPairs = (),
     ) -> None:
-        if not math.isfinite(value) or not self._admit_extra(extra):
+        if not math.isfinite(value) or (extra and not self._admit_extra(extra)):
             return
-        out.samples.append(Sample(canonical, float(value), self._labels(model, extra)))
-        out.emitted.add((canonical, model))
-        out.emitted_labels.setdefault(extra, set()).add((canonical, model))
+        labels = self._label_sets.get((model, extra)) or self._labels(model, extra)
+        out.samples.append(_new_tuple(Sample, (canonical, float(value), labels)))
+        key = (canonical, model)
+        out.emitted.add(key)
+        seen = out.emitted_labels.get(extra)
+        if seen is None:
+            seen = out.emitted_labels[extra] = set()
+        seen.add(key)
 
 
 @functools.lru_cache(maxsize=1024)
