@@ -82,6 +82,14 @@ another of them moved for that model) are withheld, never exported as zero traff
 Window ratios (:class:`WindowRatio`): a ratio of two of the mapping's own re-exported
 counters over the last window (vLLM's prefix-cache hit ratio), emitted only where the
 engine's own gauge for it is absent.
+
+Cost (issue 15): what depends only on a scrape's structure is worked out once and kept,
+per result shape (:attr:`~.exposition.ParseResult.shape`, from
+:class:`~.exposition.Reparse`) and, for a body parsed whole, per rule while its samples
+come with the very same read-only :class:`~.exposition.LabelSet` objects as last time
+(histogram layouts and models, gauge and counter statics). :class:`MetricIndex` files a
+family's samples at C speed and finds repeated series with one dict of keys; a sample is
+handled one by one only when a per-process label is present.
 """
 
 from __future__ import annotations
