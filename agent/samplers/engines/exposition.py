@@ -106,28 +106,23 @@ class LabelSet(dict[str, str]):
     Attributes:
         pairs: the pairs sorted by label name: with the sample name, the series' identity
             (what :class:`~agent.samplers.engines.normalize.MetricIndex` keys series by).
+        bucket: ``(pairs without le, le)`` of a histogram bucket sample, what
+            :func:`bucket_key` gives; ``le`` is :func:`parse_le` of the ``le`` label
+            (``None`` when absent or not a number). Worked out when the set is built (once
+            per label text), a plain attribute so a reader of many samples can fetch it
+            with :func:`operator.attrgetter`.
     """
 
-    __slots__ = ("_bucket", "pairs")
+    __slots__ = ("bucket", "pairs")
 
     def __init__(self, pairs: Iterable[tuple[str, str]] = ()) -> None:
         super().__init__(pairs)
         self.pairs: tuple[tuple[str, str], ...] = tuple(sorted(super().items()))
-        self._bucket: tuple[tuple[tuple[str, str], ...], float | None] | None = None
-
-    @property
-    def bucket(self) -> tuple[tuple[tuple[str, str], ...], float | None]:
-        """``(pairs without le, le)`` of a histogram bucket sample (computed once).
-
-        ``le`` is :func:`parse_le` of the ``le`` label: ``None`` when absent or not a number.
-        """
-        got = self._bucket
-        if got is None:
-            got = self._bucket = (
-                tuple(p for p in self.pairs if p[0] != "le"),
-                parse_le(self.get("le")),
-            )
-        return got
+        self.bucket: tuple[tuple[tuple[str, str], ...], float | None] = (
+            (tuple(p for p in self.pairs if p[0] != "le"), parse_le(self.get("le")))
+            if "le" in self
+            else (self.pairs, None)
+        )
 
     def _read_only(self, *_args: object, **_kwargs: object) -> None:
         raise TypeError("LabelSet is shared by every sample with these labels: copy it first")
@@ -716,6 +711,12 @@ _LABEL_PAIRS: dict[str, LabelSet | tuple[tuple[str, str], ...]] = {}
 """Label text (between the braces) -> its :class:`LabelSet`, or only its pairs (unescaped)
 while just skipped samples were written with it; shared by every engine's parse."""
 _LABEL_PAIRS_KEPT: Final = 65536
+_VALUES: dict[str, float] = {}
+"""Value token -> its value, for tokens that matched the number grammar (``_NUMBER``): a
+sample line whose label text and value token were both read before is split without a
+regular expression (histogram counts repeat from bucket to bucket and scrape to scrape);
+cleared when it holds :data:`_VALUES_KEPT` tokens."""
+_VALUES_KEPT: Final = 8192
 _NO_LABELS: Final = LabelSet()
 
 
@@ -765,6 +766,9 @@ def _parse(body: str, wanted: frozenset[str] | None) -> FastParse:
     match_name = _METRIC_NAME.fullmatch
     find_pairs = _PAIR.findall
     labels_of = _LABEL_PAIRS.get
+    value_of = _VALUES.get
+    new_tuple = tuple.__new__
+    isnan = math.isnan
 
     def emit(fname: str, fdoc: str, ftyp: str, fsamples: list[ParsedSample], kept: bool) -> None:
         if ftyp == "counter":
@@ -842,19 +846,26 @@ def _parse(body: str, wanted: frozenset[str] | None) -> FastParse:
             sname, _, value_text = line.partition(" ")
             labels = _NO_LABELS
         own = sname in allowed
-        if labels is None or not match_number(value_text) or not (own or match_name(sname)):
-            m = match_sample(line)
-            if m is None:
+        # a value token read before (it matched the number grammar then): its float
+        value = value_of(value_text) if labels is not None else None
+        if value is None or not (own or match_name(sname)):
+            if labels is None or not match_number(value_text) or not (own or match_name(sname)):
+                m = match_sample(line)
+                if m is None:
+                    raise _Reject
+                sname, labels_text, value_text = m.group(1, 2, 3)
+                own = sname in allowed
+                labels = labels_of(labels_text) if labels_text else _NO_LABELS
+            if len(value_text) > _MAX_VALUE_CHARS:
                 raise _Reject
-            sname, labels_text, value_text = m.group(1, 2, 3)
-            own = sname in allowed
-            labels = labels_of(labels_text) if labels_text else _NO_LABELS
+            value = float(value_text)
+            if value == 0.0 and value_text.lstrip("+-").isdigit():
+                value = 0.0  # the library reads an integer literal with int(): "-0" is 0
+            if match_number(value_text):
+                if len(_VALUES) >= _VALUES_KEPT:
+                    _VALUES.clear()  # bounded: values that keep changing are read afresh
+                _VALUES[value_text] = value
         kept = keep if own else (wanted is None or sname in wanted)
-        if len(value_text) > _MAX_VALUE_CHARS:
-            raise _Reject
-        value = float(value_text)
-        if value == 0.0 and value_text.lstrip("+-").isdigit():
-            value = 0.0  # the library reads an integer literal with int(): "-0" is 0, not -0.0
         if labels is None:
             # a label text not seen yet: parsed once, and the samples written with it share
             # one LabelSet (built when one of them is kept; skipped ones need only the check)
@@ -869,19 +880,21 @@ def _parse(body: str, wanted: frozenset[str] | None) -> FastParse:
             assert labels_text is not None
             labels = _LABEL_PAIRS[labels_text] = LabelSet(labels)
         # kept: a LabelSet by now (a bare pairs tuple only ever stands for skipped samples)
-        sample = ParsedSample(sname, labels, value) if kept else None  # type: ignore[arg-type]
+        # built with tuple.__new__: the named tuple's own __new__ is a Python function
+        sample = new_tuple(ParsedSample, (sname, labels, value, None)) if kept else None
         if own:
+            if isnan(value):  # no sample
+                continue
             if sample is not None:
-                if not math.isnan(sample.value):
-                    samples.append(sample)
-            elif not math.isnan(value):
+                samples.append(sample)
+            else:
                 out.skipped_samples += 1
             continue
         if name:
             emit(name, doc, typ, samples, keep)
         name, doc, typ, samples, allowed, keep = "", "", "untyped", [], (), False
         if sample is not None:
-            emit(sname, "", "untyped", [] if math.isnan(sample.value) else [sample], True)
+            emit(sname, "", "untyped", [] if math.isnan(value) else [sample], True)
         else:
             if not math.isnan(value):
                 out.skipped_samples += 1
