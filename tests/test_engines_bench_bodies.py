@@ -34,7 +34,8 @@ import pytest
 
 from kvpressure.agent.samplers.engines import ENGINE_TYPES
 from kvpressure.agent.samplers.engines.exposition import Reparse, parse_exposition
-from kvpressure.agent.samplers.engines.normalize import NormalizedScrape, Normalizer
+from kvpressure.agent.samplers.engines.normalize import Normalizer
+from tests.test_engines_gauges import scrape_view
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXT = "text/plain; version=0.0.4"
@@ -53,22 +54,6 @@ def bench() -> Iterator[types.ModuleType]:
     spec.loader.exec_module(mod)
     yield mod
     del sys.modules[spec.name]
-
-
-def _view(n: NormalizedScrape) -> tuple[object, ...]:
-    return (
-        [(s.name, s.labels, repr(s.value)) for s in n.samples],
-        n.models,
-        n.emitted,
-        n.emitted_labels,
-        n.missing,
-        n.invalid,
-        n.restarted,
-        n.merged,
-        n.models_dropped,
-        n.label_values_dropped,
-        n.withheld,
-    )
 
 
 def _digest(view: tuple[object, ...]) -> str:
@@ -121,12 +106,12 @@ def test_fast_normalize_of_the_benchmark_bodies_equals_the_reference(
     for cap in (models + 1, 32):  # every model kept, and the default cap dropping some
         ref, fast, cached = (Normalizer(mapping, "e", "h:1", max_models=cap) for _ in range(3))
         for k, (library, quick, shaped) in enumerate(parsed):
-            want = _view(ref.normalize(library, now=k * 5.0))
+            want = scrape_view(ref.normalize(library, now=k * 5.0))
             assert len(want[0]) > 1000
             key = f"{mb}MB-cap{'all' if cap > models else cap}-scrape{k}"
             if UPDATE:
                 _write_golden(key, _digest(want))
             assert _golden().get(key) == _digest(want), (key, "differs from the golden digest")
-            assert _view(fast.normalize(quick, now=k * 5.0)) == want, (mb, cap, k, "fast")
-            assert _view(cached.normalize(shaped, now=k * 5.0)) == want, (mb, cap, k, "shape")
+            assert scrape_view(fast.normalize(quick, now=k * 5.0)) == want, (mb, cap, k, "fast")
+            assert scrape_view(cached.normalize(shaped, now=k * 5.0)) == want, (mb, cap, k, "shape")
         assert fast.restarts == ref.restarts == cached.restarts

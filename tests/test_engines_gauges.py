@@ -146,12 +146,16 @@ def test_kept_alive_reads_length_chunked_and_close_framed_bodies_on_one_connecti
     assert srv.accepted == 2
 
 
+def _closing_server(servers: list[RawServer]) -> RawServer:
+    """A server whose every response says keep-alive, yet that closes after each one."""
+    body = BODY.encode()
+    return raw_server(servers, lambda n: (response(body, f"Content-Length: {len(body)}"), True))
+
+
 def test_kept_alive_reopens_a_connection_the_engine_closed_while_idle(
     servers: list[RawServer],
 ) -> None:
-    body = BODY.encode()
-    # every response says keep-alive, yet the server closes after each one
-    srv = raw_server(servers, lambda n: (response(body, f"Content-Length: {len(body)}"), True))
+    srv = _closing_server(servers)
     client = KeptAlive(srv.url)
     try:
         got = [get(client) for _ in range(3)]
@@ -195,9 +199,7 @@ def test_kept_alive_reads_the_response_of_a_request_sent_ahead(
 def test_kept_alive_request_sent_ahead_on_a_connection_the_engine_closed(
     servers: list[RawServer],
 ) -> None:
-    body = BODY.encode()
-    # every response says keep-alive, yet the server closes after each one
-    srv = raw_server(servers, lambda n: (response(body, f"Content-Length: {len(body)}"), True))
+    srv = _closing_server(servers)
     client = KeptAlive(srv.url)
     try:
         got = [get(client)]
@@ -595,7 +597,8 @@ def _infinite_buckets(text: str, steps: int) -> Iterator[str]:
         yield "\n".join(out)
 
 
-def _scrape_view(n: NormalizedScrape) -> tuple[object, ...]:
+def scrape_view(n: NormalizedScrape) -> tuple[object, ...]:
+    """A normalized scrape as a comparable tuple (values by ``repr``: NaN equals NaN)."""
     return (
         [(s.name, s.labels, repr(s.value)) for s in n.samples],
         n.models,
@@ -648,7 +651,7 @@ def test_normalizing_results_of_one_shape_equals_normalizing_each_afresh(fixture
             model = "m" if k < 10 else "n"
             got = cached.normalize(result, model, now=k * 1.5)
             want = fresh.normalize(alone, model, now=k * 1.5)
-            assert _scrape_view(got) == _scrape_view(want), (fixture, k)
+            assert scrape_view(got) == scrape_view(want), (fixture, k)
             assert cached.restarts == fresh.restarts
     assert shaped >= 10, "no scrape reused a shape"
 
