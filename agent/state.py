@@ -68,8 +68,11 @@ class AgentState:
         self._version = 0
         self._health: dict[str, Callable[[], Iterable[Sample]]] = {}
         self._listeners: list[Callable[[SamplerReport], None]] = []
-        # each report's samples by name, built on the first latest() after its publish
-        self._by_name: dict[str, tuple[SamplerReport, dict[str, list[Sample]]]] = {}
+        # each report's samples of the names one latest_many() asks, built on its first
+        # call after the publish; keyed by (sampler, names): code asks a few fixed sets
+        self._by_name: dict[
+            tuple[str, tuple[SampleName, ...]], tuple[SamplerReport, dict[str, list[Sample]]]
+        ] = {}
 
     def add_health(self, name: str, samples: Callable[[], Iterable[Sample]]) -> None:
         """Render ``samples()`` with the agent's own metrics (an exporter's health).
@@ -130,7 +133,8 @@ class AgentState:
         """Forget a sampler that was stopped (removed engine, reload)."""
         with self._lock:
             self._reports.pop(sampler, None)
-            self._by_name.pop(sampler, None)
+            for key in [k for k in self._by_name if k[0] == sampler]:
+                del self._by_name[key]
             self._version += 1
 
     def count_reload(self, result: str) -> None:
@@ -167,26 +171,33 @@ class AgentState:
             :meth:`latest`. One walk of the ~25 reports of a node answers every name (the
             accelerator asks 6 names at 10 Hz), not one walk per name.
         """
-        out: dict[SampleName, dict[Labels, float]] = {n: {} for n in names}
+        wanted = tuple(names)
+        out: dict[SampleName, dict[Labels, float]] = {n: {} for n in wanted}
         for r in self.reports():
             if r.ok and r.batch is not None:
-                index = self._named(r)
+                index = self._named(r, wanted)
                 for name, got in out.items():
                     for s in index.get(name, ()):
                         got.setdefault(s.labels, s.value)
         return out
 
-    def _named(self, report: SamplerReport) -> dict[str, list[Sample]]:
+    def _named(
+        self, report: SamplerReport, wanted: tuple[SampleName, ...]
+    ) -> dict[str, list[Sample]]:
         # A derived stage asks for a few names on every tick; a batch changes once per
-        # publish: index it by name once instead of walking every sample per question.
-        got = self._by_name.get(report.sampler)
+        # publish: its samples of those names are picked out once, not per question (and
+        # only those: most of a 10 Hz batch is of names nobody asks for).
+        key = (report.sampler, wanted)
+        got = self._by_name.get(key)
         if got is not None and got[0] is report:
             return got[1]
         index: dict[str, list[Sample]] = {}
         assert report.batch is not None
+        names = frozenset(wanted)
         for s in report.batch.samples:
-            index.setdefault(s.name, []).append(s)
-        self._by_name[report.sampler] = (report, index)
+            if s.name in names:
+                index.setdefault(s.name, []).append(s)
+        self._by_name[key] = (report, index)
         return index
 
     def samples(self) -> Iterator[Sample]:
