@@ -22,6 +22,7 @@ from typing import get_args
 import pytest
 
 from kvpressure.agent import catalogue, pipeline
+from kvpressure.agent.attribution.sampler import AttributionSampler
 from kvpressure.agent.attribution.store import AttributionStore
 from kvpressure.agent.config import ENGINE_TYPES, ConfigError, SamplersConfig, parse
 from kvpressure.agent.pipeline import Context, Plan, Planned, Registration, Sampler, Stage
@@ -243,6 +244,24 @@ def test_capacity_runs_no_faster_than_the_engines_it_reads_unless_told():
         )
         == 0.2
     )
+
+
+def test_attribution_judges_no_faster_than_half_its_settle_time_unless_told():
+    def attribution(text: str) -> tuple[float, float]:
+        ctx = Context(
+            parse(text), AgentState(Timeline(16, 100)), RequestStream(), AttributionStore()
+        )
+        s = pipeline.plan(ctx)["attribution"].plan.build()
+        assert isinstance(s, AttributionSampler)
+        return s.interval_s, s.settle_s
+
+    # the 8-GPU node: sources at 0.1 s, engines scraped at 1 s -> settle 2 s, judged at 1 s
+    assert attribution("interval_s: 0.1\nsamplers: {engines: {interval_s: 1}}\n") == (1.0, 2.0)
+    assert attribution("interval_s: 0.1\n") == (pytest.approx(0.1), pytest.approx(0.2))
+    assert attribution("interval_s: 5\n") == (5.0, 10.0)  # never faster than asked
+    assert attribution("interval_s: 0.1\nattribution: {settle_s: 0}\n")[0] == 0.1
+    told = "interval_s: 0.1\nsamplers: {engines: {interval_s: 1}, attribution: {interval_s: 0.1}}\n"
+    assert attribution(told) == (0.1, 2.0)
 
 
 def test_stage_owned_config_checks_still_reject_at_parse():

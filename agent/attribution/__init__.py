@@ -100,6 +100,11 @@ def _plan(ctx: Context) -> list[Plan]:
     interval = ctx.interval_s("attribution")
     sources = [cfg.interval_s, cfg.samplers.host.interval_s, cfg.samplers.engines.interval_s]
     settle = acfg.settle_s if acfg.settle_s is not None else 2 * max(i or 0 for i in sources)
+    if not cfg.samplers.attribution.interval_s:
+        # A record is judged settle_s after its end, when its evidence has been sampled:
+        # judging more often than half of that (or once a second) gives no verdict much
+        # sooner, and each cycle costs as much with nothing new (10 Hz sources: 2 s settle).
+        interval = max(interval, min(settle / 2, 1.0))
 
     def build() -> AttributionSampler:
         return make_sampler(
