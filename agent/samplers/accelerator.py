@@ -55,7 +55,8 @@ Like the GPU sampler, the module imports only the standard library and the core,
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict, deque
+from array import array
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Final
@@ -191,35 +192,52 @@ class _Run:
 
     Each point covers ``(t - dt, t]``; a point with an unknown value restarts the run, so the
     sums only ever cover an unbroken stretch of known values. O(1) amortized per point.
+
+    The points are packed four doubles each (``t, dt, a, b``) in one ``array('d')``, the
+    oldest at ``_head``, whose dropped prefix is cut once it is the larger half: 32-80 bytes
+    a point instead of a tuple of four floats' ~170 (a 30 s window of 8 GPUs at 0.1 s holds
+    4,800 points; issue 15). The sums see the same values in the same order as before.
     """
 
-    __slots__ = ("a", "b", "points", "span")
+    __slots__ = ("_buf", "_head", "a", "b", "span")
 
     def __init__(self) -> None:
-        self.points: deque[tuple[float, float, float, float]] = deque()
+        self._buf = array("d")
+        self._head = 0
         self.a = 0.0
         self.b = 0.0
         self.span = 0.0
+
+    def __len__(self) -> int:
+        """The points in the window."""
+        return (len(self._buf) - self._head) // 4
 
     def add(self, t: float, dt: float, a: float | None, b: float | None, horizon: float) -> None:
         if a is None or b is None:
             self.clear()
             return
-        self.points.append((t, dt, a, b))
+        buf = self._buf
+        buf.extend((t, dt, a, b))
         self.a += a
         self.b += b
         self.span += dt
-        pts = self.points
-        while pts and pts[0][0] - pts[0][1] < horizon:
-            _t, pdt, pa, pb = pts.popleft()
-            self.a -= pa
-            self.b -= pb
-            self.span -= pdt
-        if not pts:
+        i, n = self._head, len(buf)
+        while i < n and buf[i] - buf[i + 1] < horizon:
+            self.a -= buf[i + 2]
+            self.b -= buf[i + 3]
+            self.span -= buf[i + 1]
+            i += 4
+        if i == n:
             self.clear()
+            return
+        if i > n - i:
+            del buf[:i]
+            i = 0
+        self._head = i
 
     def clear(self) -> None:
-        self.points.clear()
+        del self._buf[:]
+        self._head = 0
         self.a = self.b = self.span = 0.0
 
 
@@ -624,11 +642,11 @@ class AcceleratorSampler(Sampler):
         horizon = now - self.thresholds.data_movement_window_s
         bpt = hist.bytes_per_token
         bpt.add(now, dt, d_bytes, d_tokens, horizon)
-        if bpt.points and bpt.b >= 1.0:  # at least one token in the window
+        if bpt and bpt.b >= 1.0:  # at least one token in the window
             out.append(Sample(m.DATA_MOVEMENT_BYTES_PER_TOKEN, bpt.a / bpt.b, phys.labels))
         tpm = hist.tokens_per_mem
         tpm.add(now, dt, d_tokens, None if mem_used is None else mem_used * dt, horizon)
-        if tpm.points and tpm.span > 0 and tpm.b / tpm.span >= 1.0:
+        if tpm and tpm.span > 0 and tpm.b / tpm.span >= 1.0:
             out.append(Sample(m.TOKENS_PER_BYTE, tpm.a / (tpm.b / tpm.span), phys.labels))
 
 

@@ -17,8 +17,7 @@ and a golden test; the normalizer does not change.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-
-import httpx
+from typing import TYPE_CHECKING
 
 from kvpressure.agent.pipeline import Context, Plan, Stage, register
 from kvpressure.agent.samplers.engines.base import (
@@ -30,6 +29,9 @@ from kvpressure.agent.samplers.engines.base import (
 )
 from kvpressure.agent.samplers.engines.normalize import EngineMapping, Rule
 from kvpressure.agent.samplers.engines.registry import ENGINE_TYPES
+
+if TYPE_CHECKING:
+    import httpx
 
 __all__ = [
     "AUTO",

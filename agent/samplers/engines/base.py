@@ -39,9 +39,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from typing import Final
-
-import httpx
+from typing import TYPE_CHECKING, Final
 
 from kvpressure.agent.logs import RateLimitedLog
 from kvpressure.agent.samplers.base import LogOnce, Sampler
@@ -60,6 +58,7 @@ from kvpressure.agent.samplers.engines.http import (
     ascii_compatible,
     http_get,
     tls_context,
+    url_parts,
 )
 from kvpressure.agent.samplers.engines.normalize import (
     MERGE_DUPLICATE,
@@ -73,6 +72,9 @@ from kvpressure.agent.samplers.engines.normalize import (
 from kvpressure.agent.samplers.engines.registry import DETECTION_FALLBACK, ENGINE_TYPES
 from kvpressure.agent.samplers.engines.staleness import STALE, StaleTracker
 from kvpressure.agent.samples import Batch, Sample, make_labels
+
+if TYPE_CHECKING:
+    import httpx
 
 log = logging.getLogger(__name__)
 
@@ -148,14 +150,21 @@ def instance_of(url: str) -> str:
         ``host:port``, IPv6 hosts in brackets; the raw URL when it cannot be parsed.
     """
     try:
-        parsed = httpx.URL(url)
-    except (httpx.InvalidURL, TypeError, ValueError):
+        scheme, host, port = url_parts(url)
+    except (_invalid_url(), TypeError, ValueError):
         return url
-    host = parsed.host or ""
+    host = host or ""
     if ":" in host:
         host = f"[{host}]"
-    port = parsed.port or (443 if parsed.scheme == "https" else 80)
+    port = port or (443 if scheme == "https" else 80)
     return f"{host}:{port}"
+
+
+def _invalid_url() -> type[Exception]:
+    """``httpx.InvalidURL`` (called only once :func:`url_parts` raised: httpx is loaded)."""
+    import httpx
+
+    return httpx.InvalidURL
 
 
 def probe(url: str, timeout_s: float = 0.5) -> str | None:
@@ -170,6 +179,8 @@ def probe(url: str, timeout_s: float = 0.5) -> str | None:
         when the endpoint does not answer with exposition or no prefix matches. Never
         raises.
     """
+    import httpx
+
     try:
         with httpx.Client(headers={"Accept": _ACCEPT}, verify=tls_context()) as client:
             res = http_get(client, base_url(url) + DEFAULT_METRICS_PATH, timeout_s)

@@ -959,7 +959,9 @@ class Reparse:
     RETRY: Final = 16
 
     def __init__(self) -> None:
-        self._key: tuple[str | None, frozenset[str] | None, list[str]] | None = None
+        # (content type, wanted, every line less its value, joined by "\n": one string,
+        # not ~600 of them; the lines hold no "\n", so equal keys are equal line lists)
+        self._key: tuple[str | None, frozenset[str] | None, str] | None = None
         self._misses = 0
         self._tries = 0
         self._probe = False
@@ -1005,7 +1007,7 @@ class Reparse:
             head, _, token = line.rpartition(" ")
             heads.append(head)
             tokens.append(token)
-        key = (content_type, wanted, heads)
+        key = (content_type, wanted, "\n".join(heads))
         if key == self._key and _numbers(tokens):
             result = ParseResult(
                 format="text",
@@ -1026,13 +1028,14 @@ class Reparse:
             return result
         self._misses += 1
         result = classify_response(status, content_type, body, wanted)
-        if self._learn(key, tokens, result) and self._misses > self.MISSES and not probe:
+        if self._learn(key, heads, tokens, result) and self._misses > self.MISSES and not probe:
             self._probe = True  # a periodic try learnt a shape: see whether it holds
         return result
 
     def _learn(
         self,
-        key: tuple[str | None, frozenset[str] | None, list[str]],
+        key: tuple[str | None, frozenset[str] | None, str],
+        lines: list[str],
         tokens: list[str],
         result: ParseResult,
     ) -> bool:
@@ -1049,7 +1052,7 @@ class Reparse:
             return False
         if not _numbers(tokens):
             return False  # a NaN (dropped) or odd value: which lines make samples is not fixed
-        heads = [h for h in key[2] if h and h[0] != "#"]
+        heads = [h for h in lines if h and h[0] != "#"]
         if len(heads) != len(tokens):
             return False
         j = 0

@@ -10,6 +10,10 @@ read timeout) is cut off at the deadline with reason ``timeout``. httpx only has
 timeouts, so :class:`_Deadline` watches the connection (found through httpcore's public
 ``trace`` extension) and shuts its socket down when the deadline passes, which wakes a read
 blocked on it.
+
+httpx itself is imported on first need: an agent whose engines all speak plain HTTP reads
+them through :class:`KeptAlive` and never loads it (~1.2 MiB resident; issue 15).
+:func:`url_parts` reads such an engine's URL as ``httpx.URL`` would.
 """
 
 from __future__ import annotations
@@ -17,15 +21,18 @@ from __future__ import annotations
 import contextlib
 import email.message
 import functools
+import ipaddress
+import re
 import socket
 import ssl
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
-import httpx
+if TYPE_CHECKING:
+    import httpx
 
 MAX_BODY_BYTES: Final = 32 * 1024 * 1024
 """Bodies larger than this are not read (reason ``too_large``); vLLM's is ~100 KiB."""
@@ -89,6 +96,8 @@ def http_get(
         An :class:`HttpResult`; transport failures are reported in ``reason``
         (``timeout`` once the deadline has passed, whatever the read was doing).
     """
+    import httpx
+
     guard = _Deadline(timeout_s)
     try:
         with client.stream(
@@ -131,6 +140,8 @@ def tls_context() -> ssl.SSLContext:
     gauge reader per engine). One context, built on first use, serves them all: the same
     verification, one bundle.
     """
+    import httpx
+
     return httpx.create_ssl_context()
 
 
@@ -159,6 +170,8 @@ class LazyClient:
 
     def get(self) -> httpx.Client:
         """The client (follows redirects), built on the first call."""
+        import httpx
+
         with self._lock:
             if self._client is None:
                 self._client = httpx.Client(
@@ -178,6 +191,8 @@ class LazyClient:
 
 
 def _reason(exc: Exception) -> str:
+    import httpx
+
     if isinstance(exc, httpx.ConnectError):
         return "connect"
     if isinstance(exc, (httpx.InvalidURL, httpx.UnsupportedProtocol)):
@@ -234,6 +249,64 @@ class _Deadline:
             _shutdown(sock)
 
 
+_PLAIN_URL: Final = re.compile(
+    r"(https?)://([A-Za-z0-9.-]+|\[[0-9A-Fa-f:.]+\])(?::([0-9]{1,5}))?(/[A-Za-z0-9._~/-]*)?"
+)
+"""The URLs :func:`url_parts` reads itself: ``http(s)://host[:port][/path]`` with a DNS name,
+a dotted IPv4 address or a bracketed IPv6 one, and a path of unreserved characters."""
+_IPV4_STYLE: Final = re.compile(r"[0-9]+\.[0-9]+\.[0-9]+\.[0-9]+")
+_DEFAULT_PORTS: Final = {"http": 80, "https": 443}
+
+
+def url_parts(url: str) -> tuple[str, str, int | None]:
+    """Return ``(scheme, host, port)`` of ``url`` as ``httpx.URL`` gives them.
+
+    A plain engine URL (:data:`_PLAIN_URL`: no user info, query, IDNA name or escape) is
+    read here, so an agent whose engines speak plain HTTP never imports httpx; anything
+    else is handed to ``httpx.URL``. Either way the result is httpx's: a DNS name lowercased,
+    an IPv6 address without its brackets, the port ``None`` when absent or the scheme's
+    default (``tests/test_engines_url_parts.py`` compares the two on a table of URLs).
+
+    Args:
+        url: an absolute URL, e.g. ``http://127.0.0.1:8000``.
+
+    Returns:
+        The scheme, the host and the port.
+
+    Raises:
+        httpx.InvalidURL: ``url`` is not a URL httpx accepts (e.g. an IPv4 address with an
+            octet over 255); TypeError: ``url`` is not a string.
+    """
+    m = _PLAIN_URL.fullmatch(url)
+    if m is not None and _valid_host(host := m.group(2)):
+        scheme, port = m.group(1), m.group(3)
+        number = None if port is None else int(port)
+        host = host[1:-1] if host[0] == "[" else host.lower()  # httpx keeps IPv6's case
+        return scheme, host, None if number == _DEFAULT_PORTS[scheme] else number
+    import httpx
+
+    parsed = httpx.URL(url)
+    return parsed.scheme, parsed.host, parsed.port
+
+
+def _valid_host(host: str) -> bool:
+    """True when httpx takes the host of a :data:`_PLAIN_URL` as it is (a DNS name lowercased).
+
+    False for an IDNA name (httpx's ``.host`` decodes it) and for an IP address that is not
+    one (httpx raises ``InvalidURL``).
+    """
+    if "xn--" in host.lower():
+        return False
+    try:
+        if host[0] == "[":
+            ipaddress.IPv6Address(host[1:-1])
+        elif _IPV4_STYLE.fullmatch(host):
+            ipaddress.IPv4Address(host)
+    except ValueError:
+        return False
+    return True
+
+
 def _shutdown(sock: socket.socket) -> None:
     with contextlib.suppress(OSError):  # already closed
         sock.shutdown(socket.SHUT_RDWR)
@@ -269,11 +342,11 @@ class KeptAlive:
     """
 
     def __init__(self, url: str, headers: dict[str, str] | None = None) -> None:
-        parsed = httpx.URL(url)
-        self.usable = parsed.scheme == "http" and bool(parsed.host)
-        self._addr = (parsed.host, parsed.port or 80)
-        host = f"[{parsed.host}]" if ":" in parsed.host else parsed.host
-        hostport = host if parsed.port is None else f"{host}:{parsed.port}"
+        scheme, host, port = url_parts(url)
+        self.usable = scheme == "http" and bool(host)
+        self._addr = (host, port or 80)
+        bracketed = f"[{host}]" if ":" in host else host
+        hostport = bracketed if port is None else f"{bracketed}:{port}"
         extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
         self._head = f"Host: {hostport}\r\nAccept-Encoding: identity\r\n{extra}\r\n".encode(
             "latin-1"
