@@ -298,3 +298,27 @@ def test_a_record_waits_for_unseen_neighbours_at_most_30_s():
         if h.store.engines_with_requests():
             judged.append(k)
     assert judged and 29 <= judged[0] <= 31
+
+
+def test_a_record_waits_for_a_neighbour_that_started_in_its_last_sampling_interval():
+    # the engine sampled 1 running (this one) at T+1.5, and still 1 at T+2.5, after this
+    # one's end at T+2.0: a request started between T+1.5 and T+2.0, beside its last decode
+    # steps
+    h = Harness()
+    r = RequestRecord(ENG, T, T + 2.0, ttft_s=0.1, e2e_s=2.0, input_tokens=50, output_tokens=16)
+    for t, n in ((T + 0.5, 1), (T + 1.5, 1), (T + 2.5, 1)):
+        b = Batch()
+        b.add("kvpressure_engine_requests_running", n, engine=ENG, instance="e:1")
+        h.timeline.append(t, b.samples)
+    h.now = T + 2.0
+    h.stream.submit(r)
+    for k in range(1, 6):
+        h.now = T + 2.0 + k
+        h.sampler.collect(Batch())
+    assert not h.store.engines_with_requests()  # held: a neighbour is still running
+    nb = RequestRecord(ENG, T + 1.8, T + 7.5, ttft_s=0.2, e2e_s=5.7, prefill_s=0.15,
+                       input_tokens=60, output_tokens=16)  # fmt: skip
+    h.stream.submit(nb)
+    h.now = T + 8.0
+    h.sampler.collect(Batch())
+    assert h.store.engines_with_requests()  # judged once it is known
