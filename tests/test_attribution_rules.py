@@ -375,6 +375,20 @@ def test_a_decode_slowed_by_a_cpu_hog_stays_compute():
     assert scores["prefill_interference"] == 0.0
 
 
+def test_a_decode_with_prompts_batched_in_while_the_engine_swaps_is_memory():
+    # the faults suite's memory scenario: 8 requests for 4 slots, the engine swapping; a
+    # 2.4 s gap held three newly admitted 400-token prompts whose normal cost alone is the
+    # gap. The shortage slowed every step and is named; the decode rule yields to it
+    s = Synth().counter("kvpressure_host_swap_out_pages_total", 1900)
+    decode = SlowDecode("itl_max", 2.48, 0.08, 2.6)
+    scores, evidence, _ = run(s, (LONG_DECODE, (), (decode,)))
+    assert primary_cause(scores, 0.3) == "memory"
+    assert ev(evidence, "decode_interference") is None
+    # without the shortage the same decode is interference
+    scores, _, _ = run(Synth(), (LONG_DECODE, (), (decode,)))
+    assert primary_cause(scores, 0.3) == "prefill_interference"
+
+
 def test_transport_gap_needs_a_known_or_empty_queue():
     s = Synth().gauge("kvpressure_engine_requests_waiting", 2, engine=ENG)
     _, evidence, _ = run(s, rec(ttft_s=1.0, prefill_s=0.1))

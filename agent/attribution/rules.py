@@ -48,7 +48,9 @@ decode_interference        prefill_ 1.0    [0.5, 1.0]    for a slow decode phase
                                                          at most 1 (any prompt size: prefills
                                                          batched into its decode steps; see
                                                          below); the phase is the ``phase``
-                                                         label
+                                                         label. Dropped when a memory,
+                                                         storage or compute rule scored
+                                                         >= min_score
 kv_cache_usage             memory   0.6    [0.90, 0.98]  max KV-cache usage ratio
 preemptions                memory   1.0    [0, 2]        preemptions in the scope (increase)
 prefix_cache_collapse      memory   0.6    [0.5, 0.9]    relative drop of the prefix-cache hit
@@ -170,8 +172,13 @@ prefills every prompt that arrived during a step in the next one). A prompt pref
 the same step as others is reported with the whole step's time, so the work can read
 above the engine time it took: a decode slowed 2x by contention with several prompts
 batched into it can reach a score above ``min_score`` here, and the compute rule, which
-also fires then, has to outscore it (it wins only when strictly higher: on a tie
-``prefill_interference`` is named).
+also fires then. So ``decode_interference`` yields to a resource shortage: it is dropped
+when a memory, storage or compute rule scored at least ``min_score`` in the scope. A
+shortage slows every step, the prefills batched into the decode included, and the records
+cannot split the decode's excess between the two (on the faults suite's memory scenario,
+8 requests for 4 slots under a cgroup limit that makes the engine swap, each decode's
+2.4 s gap held three newly admitted 400-token prompts whose normal cost alone is about the
+gap): the shortage is the cause to act on first, as a queue at the slot cap yields to it.
 
 **Stale engine statistics.** The engine sampler marks an engine's statistics stale
 (``kvpressure_engine_stats_stale`` 1, source ``stats`` in error) when its token counters
@@ -1070,6 +1077,14 @@ RESIDUAL_EXPLAINED_BY = frozenset(
 """Causes that explain a TTFT not spent in prefill: a stalled engine is slow to start
 prefill, and a request waiting for a slot or behind another prefill is waiting."""
 
+YIELDS_TO_SHORTAGE = frozenset({"decode_interference"})
+"""Rules dropped when a rule of a cause in :data:`SHORTAGES` scored >= min_score (see
+"Prefill beside a decode" in the module docstring)."""
+
+SHORTAGES = frozenset({"memory", "storage", "compute"})
+"""Causes that slow every step of the engine: a decode's excess in their presence is not
+split between them and the prefill batched into it."""
+
 EVALUATE_READS: tuple[SampleName, ...] = (ENGINE_UP, STATS_STALE)
 """Read by :func:`evaluate` itself (:func:`engine_unavailable`, :func:`engine_stale`),
 besides the rules."""
@@ -1140,6 +1155,8 @@ def evaluate(
             else e
             for e in found
         ]  # fmt: skip
+    if any(e.cause in SHORTAGES and e.score >= params.min_score for e in found):
+        found = [e for e in found if e.signal not in YIELDS_TO_SHORTAGE]
     engine_stalled = any(
         e.cause in RESIDUAL_EXPLAINED_BY and e.score >= params.min_score for e in found
     )
