@@ -298,3 +298,75 @@ def test_a_record_waits_for_unseen_neighbours_at_most_30_s():
         if h.store.engines_with_requests():
             judged.append(k)
     assert judged and 29 <= judged[0] <= 31
+
+
+def _long_decodes_beside_short_streams(
+    slowdown: float, seed: int = 3
+) -> tuple[list[RequestRecord], Harness]:
+    """A calm mixed warm-up, then back-to-back long prompts of 8 output tokens beside
+    three short streams (one more than the warm-up's): each long decode's steps take the
+    short prompts arriving meanwhile, as llama.cpp batches them. The engine's
+    ``requests_running`` is sampled once a second, so the sampler holds a record for the
+    short requests still running after its end."""
+    h = Harness()
+    rng = random.Random(1)
+    log: list[tuple[float, int]] = []
+    recs, end = simulate(Engine(), [mixed(150, rng), mixed(150, rng)], T, 1, running_log=log)
+    h.feed(recs, log)
+    log = []
+    streams = [[SHORT] * 40] * 3 + [[LONG] * 40]
+    recs, _ = simulate(
+        Engine(slowdown=slowdown), streams, end + 1, seed, long_out=8, running_log=log
+    )
+    h.feed(recs, log)
+    return [r for r in recs if r.input_tokens == LONG], h
+
+
+def test_a_long_prompts_decode_slowed_by_short_prefills_batched_into_it_is_interference():
+    # the short prompts are far below twice the long one's: only the decode rule, with the
+    # short records known when the long one is judged, can name them
+    causes: list[str] = []
+    for seed in (3, 4, 5):
+        longs, h = _long_decodes_beside_short_streams(1.0, seed)
+        keys = {(r.start, r.end) for r in longs}
+        causes += [a.cause for a in h.store.attributions() if (a.start, a.end) in keys
+                   and {p[0] for p in a.slow_phases} <= {"tpot", "itl_max"}]  # fmt: skip
+    assert len(causes) >= 3
+    assert set(causes) == {"prefill_interference"}, causes
+
+
+def test_a_long_prompts_decode_on_a_slower_engine_is_not_interference():
+    # the same workload on an engine 3x slower at everything (a compute fault): the
+    # prefills beside each decode, at no more than their normal cost, explain a small part
+    # of its excess; nothing names interference for it
+    longs, h = _long_decodes_beside_short_streams(3.0)
+    keys = {(r.start, r.end) for r in longs}
+    slow = [a for a in h.store.attributions() if (a.start, a.end) in keys]
+    assert len(slow) >= 0.5 * len(longs)
+    assert all(a.scores["prefill_interference"] < 0.3 for a in slow), [
+        (a.cause, a.scores["prefill_interference"]) for a in slow
+    ]
+
+
+def test_a_record_waits_for_a_neighbour_that_started_in_its_last_sampling_interval():
+    # the engine sampled 1 running (this one) at T+1.5, and still 1 at T+2.5, after this
+    # one's end at T+2.0: a request started between T+1.5 and T+2.0, beside its last decode
+    # steps
+    h = Harness()
+    r = RequestRecord(ENG, T, T + 2.0, ttft_s=0.1, e2e_s=2.0, input_tokens=50, output_tokens=16)
+    for t, n in ((T + 0.5, 1), (T + 1.5, 1), (T + 2.5, 1)):
+        b = Batch()
+        b.add("kvpressure_engine_requests_running", n, engine=ENG, instance="e:1")
+        h.timeline.append(t, b.samples)
+    h.now = T + 2.0
+    h.stream.submit(r)
+    for k in range(1, 6):
+        h.now = T + 2.0 + k
+        h.sampler.collect(Batch())
+    assert not h.store.engines_with_requests()  # held: a neighbour is still running
+    nb = RequestRecord(ENG, T + 1.8, T + 7.5, ttft_s=0.2, e2e_s=5.7, prefill_s=0.15,
+                       input_tokens=60, output_tokens=16)  # fmt: skip
+    h.stream.submit(nb)
+    h.now = T + 8.0
+    h.sampler.collect(Batch())
+    assert h.store.engines_with_requests()  # judged once it is known

@@ -13,7 +13,15 @@ import pytest
 
 from kvpressure.agent.attribution.engine import primary_cause
 from kvpressure.agent.attribution.model import ENGINE_METRICS
-from kvpressure.agent.attribution.rules import RULES, RULES_BY_NAME, Params, Scope, evaluate, ramp
+from kvpressure.agent.attribution.rules import (
+    RULES,
+    RULES_BY_NAME,
+    Params,
+    Scope,
+    SlowDecode,
+    evaluate,
+    ramp,
+)
 from kvpressure.agent.attribution.signals import Series, Signals
 from kvpressure.agent.requests.record import RequestRecord
 from kvpressure.agent.samples import make_labels
@@ -50,10 +58,13 @@ class Synth:
 
 def scope(record: RequestRecord | tuple | None = None,
           neighbours: tuple[RequestRecord, ...] = ()) -> Scope:  # fmt: skip
-    """The case scope; ``record`` may be ``(record, neighbours)``."""
+    """The case scope; ``record`` may be ``(record, neighbours)`` or ``(record, neighbours,
+    slow decodes)``."""
+    decodes: tuple[SlowDecode, ...] = ()
     if isinstance(record, tuple):
-        record, neighbours = record
-    return Scope(ENG, T + 10, T + 14, 2.0, record, neighbours)
+        record, neighbours, *rest = record
+        decodes = tuple(rest[0]) if rest else ()
+    return Scope(ENG, T + 10, T + 14, 2.0, record, neighbours, decodes)
 
 
 def rec(**kw: object) -> RequestRecord:
@@ -121,6 +132,11 @@ CASES: list[tuple[str, str, str, Callable[[], Synth], RequestRecord | None, floa
              (rec(start=T + 8, end=T + 20, input_tokens=3000, ttft_s=3.6),
               rec(start=T + 10, end=T + 12, input_tokens=150, ttft_s=1.0),
               rec(start=T + 15, end=T + 20, input_tokens=5000, ttft_s=3.0))), 0.4, 0.5),
+    # a 1,400-token prompt's decode at 73 ms a token against 33 ms for its batch size: 40 ms
+    # over, 30 ms of it other requests' (short) prefills batched into its steps
+    ("decode_interference", "decode_interference", "prefill_interference",
+     Synth, (rec(input_tokens=1400, ttft_s=3.5, output_tokens=8), (),
+             (SlowDecode("tpot", 0.073, 0.033, 0.03),)), 0.75, 0.5),
     ("queue_while_kv_full", "queue_while_full", "memory",
      lambda: Synth().gauge("kvpressure_engine_kv_cache_usage_ratio", 0.95, engine=ENG)
      .gauge("kvpressure_engine_requests_waiting", 5, engine=ENG), None, 1.0, 1.0),
@@ -318,6 +334,59 @@ def test_every_rule_has_a_case():
 def test_rules_stay_quiet_at_or_below_threshold(build, rule):
     _, evidence, _ = run(build())
     assert ev(evidence, rule) is None
+
+
+LONG_DECODE = rec(input_tokens=1400, ttft_s=3.5, output_tokens=8)
+
+
+def test_a_long_prompts_decode_slowed_by_short_prefills_is_interference():
+    # the blockers are 60-token prompts, far from twice this one's 1,400: the queue and
+    # prefill rule has nothing to say about them, the decode rule does
+    shorts = tuple(rec(start=T + 13.6, end=T + 15, input_tokens=60, ttft_s=0.3, prefill_s=0.28)
+                   for _ in range(2))  # fmt: skip
+    decode = SlowDecode("tpot", 0.072, 0.033, 0.040)  # all of the 39 ms excess explained
+    scores, evidence, _ = run(Synth(), (LONG_DECODE, shorts, (decode,)))
+    assert primary_cause(scores, 0.3) == "prefill_interference"
+    assert ev(evidence, "prefill_interference") is None
+    e = ev(evidence, "decode_interference")
+    assert e.value == 1.0 and e.labels["phase"] == "tpot"
+
+
+@pytest.mark.parametrize(
+    "decode",
+    [
+        SlowDecode("tpot", 0.072, 0.033, 0.0),  # no prefill beside it
+        SlowDecode("itl_max", 0.5, 0.05, 0.09),  # one 60-token prefill, a 450 ms stall
+        SlowDecode("tpot", 0.030, 0.033, 0.02),  # not over its own cost (slow on its SLO)
+    ],
+    ids=["no_coscheduled_prefill", "prefill_explains_a_fifth", "under_own_cost"],
+)
+def test_a_decode_the_prefill_beside_it_does_not_explain_is_not_interference(decode):
+    _, evidence, _ = run(Synth(), (LONG_DECODE, (), (decode,)))
+    assert ev(evidence, "decode_interference") is None
+
+
+def test_a_decode_slowed_by_a_cpu_hog_stays_compute():
+    # 3x its own cost with one short prefill beside it: others took 60 % of the busy CPU
+    s = cpu(Synth(), 0.9, 2.0, 0.8)
+    decode = SlowDecode("tpot", 0.11, 0.033, 0.012)
+    scores, _, _ = run(s, (LONG_DECODE, (), (decode,)))
+    assert primary_cause(scores, 0.3) == "compute"
+    assert scores["prefill_interference"] == 0.0
+
+
+def test_a_decode_with_prompts_batched_in_while_the_engine_swaps_is_memory():
+    # the faults suite's memory scenario: 8 requests for 4 slots, the engine swapping; a
+    # 2.4 s gap held three newly admitted 400-token prompts whose normal cost alone is the
+    # gap. The shortage slowed every step and is named; the decode rule yields to it
+    s = Synth().counter("kvpressure_host_swap_out_pages_total", 1900)
+    decode = SlowDecode("itl_max", 2.48, 0.08, 2.6)
+    scores, evidence, _ = run(s, (LONG_DECODE, (), (decode,)))
+    assert primary_cause(scores, 0.3) == "memory"
+    assert ev(evidence, "decode_interference") is None
+    # without the shortage the same decode is interference
+    scores, _, _ = run(Synth(), (LONG_DECODE, (), (decode,)))
+    assert primary_cause(scores, 0.3) == "prefill_interference"
 
 
 def test_transport_gap_needs_a_known_or_empty_queue():

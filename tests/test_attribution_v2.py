@@ -157,7 +157,10 @@ def test_the_sampler_tells_the_detector_when_the_engine_preempted():
               engine=ENG, instance="a:1")  # fmt: skip
         b.add("kvpressure_engine_preemptions_total", 9.0 if k <= 30 else 1.0,
               engine=ENG, instance="b:1")  # fmt: skip
-        b.add("kvpressure_engine_requests_running", 1, engine=ENG, instance="a:1")
+        # one request running in each record's life, none after (an engine still running
+        # one after a record's end holds the record for that request's own record)
+        busy = any(a <= k < a + 4 for a in (3, 10, 28))
+        b.add("kvpressure_engine_requests_running", 1 if busy else 0, engine=ENG, instance="a:1")
         timeline.append(T + k, b.samples)
     stream, detector = RequestStream(), SlowDetector()
     sampler = AttributionSampler(
@@ -675,6 +678,35 @@ def test_a_short_slow_phase_is_read_over_at_least_a_few_engine_samples():
     assert MIN_SCOPE_S >= 3.0
     att = Attributor(Params(), lead_in_s=0.0).attribute_request(sig, record, verdict)
     assert att.cause == "memory", att.scores
+
+
+def test_a_slow_decode_reaches_the_rules_with_its_own_cost_and_the_prefill_beside_it():
+    """The verdict's slow decode phases judged against their fit become the scope's
+    ``decodes``: their own cost is the expected cost less the co-scheduled allowance; a
+    phase judged on its SLO (no fit) or without the co-scheduled work known is left out."""
+    from kvpressure.agent.attribution.detector import PhaseVerdict, Verdict
+    from kvpressure.agent.attribution.engine import slow_decodes
+
+    e = "llamacpp"
+    sig = _points({("kvpressure_engine_up", L(engine=e)): 1.0})
+    r = RequestRecord(e, T, T + 4.2, ttft_s=3.7, e2e_s=4.2, input_tokens=1404, output_tokens=8)
+    short = RequestRecord(e, T + 3.8, T + 8, ttft_s=0.4, prefill_s=0.28, input_tokens=60)
+    # tpot 0.072 s against 0.033 s of its own plus 0.004 s of the co-scheduled 0.045 s allowed
+    tpot = PhaseVerdict("tpot", 0.072, 0.058, "baseline", 0.037, 3.0, T + 3.7, T + 4.2,
+                        0.004, 0.045)  # fmt: skip
+    itl = PhaseVerdict("itl_max", 0.24, 0.2, "slo", None, None, T + 3.7, T + 4.2)
+    verdict = Verdict(True, "tpot", 0.072, 0.058, "baseline", (tpot, itl), T + 3.7, T + 4.2)
+    (d,) = slow_decodes(verdict)
+    assert (d.phase, d.value_s, d.work_s) == ("tpot", 0.072, 0.045)
+    assert abs(d.own_s - 0.033) < 1e-12
+    att = Attributor(Params()).attribute_request(sig, r, verdict, (short,))
+    assert att.cause == "prefill_interference", att.scores
+    assert att.evidence[0].signal == "decode_interference"
+    # the same decode with nothing prefilled beside it is not interference
+    alone = PhaseVerdict("tpot", 0.072, 0.058, "baseline", 0.033, 3.0, T + 3.7, T + 4.2, 0.0, 0.0)
+    verdict = Verdict(True, "tpot", 0.072, 0.058, "baseline", (alone,), T + 3.7, T + 4.2)
+    att = Attributor(Params()).attribute_request(sig, r, verdict, ())
+    assert att.cause == "unknown", att.scores
 
 
 def test_debug_logging_shows_every_phase_of_every_verdict(caplog):

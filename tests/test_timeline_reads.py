@@ -179,7 +179,10 @@ def _attribution_timeline() -> Spy:
         tl.append(T + k, [
             Sample("kvpressure_engine_up", 1.0, L(**eng)),
             Sample("kvpressure_engine_stats_stale", 0.0, L(**eng)),
-            Sample("kvpressure_engine_requests_running", 2.0, L(**eng)),
+            # running while the slow requests and the last one run (the last is held: the
+            # engine still runs one after it), none once they ended
+            Sample("kvpressure_engine_requests_running", 2.0 if 12 <= k <= 15 or k >= 36
+                   else 0.0, L(**eng)),
             Sample("kvpressure_engine_requests_waiting", 3.0 if 10 <= k <= 20 else 0.0, L(**eng)),
             Sample("kvpressure_engine_kv_cache_usage_ratio", 0.97 if 10 <= k < 20 else 0.2,
                    L(**eng)),

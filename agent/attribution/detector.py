@@ -212,6 +212,12 @@ class PhaseVerdict:
             requests' prefill work in the phase's span, at the share usual for the engine
             (seconds, per token for ``tpot``; see :class:`CoScheduledLoad`); ``None`` when
             it could not be estimated (no neighbours given, no prefill fit yet).
+        work_s: the co-scheduled prefill work in the phase's span (:func:`coscheduled_work`,
+            each prefill at most a normal one's cost, before the share; per token for
+            ``tpot``; for ``itl_max`` all of it inside the longest gap, the gap's interval
+            taken from the first token and the gaps before it), seconds; ``None`` as for
+            ``coscheduled_s``. The ``decode_interference`` rule compares it to the phase's
+            excess over its own cost, ``expected_s - coscheduled_s``.
     """
 
     phase: str
@@ -223,6 +229,7 @@ class PhaseVerdict:
     start: float
     end: float
     coscheduled_s: float | None = None
+    work_s: float | None = None
 
     @property
     def excess(self) -> float:
@@ -328,6 +335,11 @@ def theil_sen(points: list[tuple[float, float]], proportional: bool = False) -> 
 def _g(value: float | None) -> str:
     """``value`` in 4 significant digits for the debug log, ``-`` when unknown (an SLO)."""
     return "-" if value is None else f"{value:.4g}"
+
+
+def _work(value: float | None) -> str:
+    """``, co-scheduled <seconds>`` for the debug log; empty when not estimated."""
+    return "" if value is None else f", co-scheduled {value:.4g}"
 
 
 def _overlaps(intervals: Sequence[tuple[float, float]], a: float, b: float) -> bool:
@@ -788,6 +800,7 @@ class SlowDetector:
             floor: float | None = None,
             work_s: float | None = None,
             tokens: float = 1.0,
+            seen_s: float | None = None,
         ) -> None:
             nonlocal explained
             m = self._models.get((r.engine, phase))
@@ -802,7 +815,16 @@ class SlowDetector:
                 thr, exp = m.threshold(size, self.q, factor, fl, tokens)
                 judged.append(
                     PhaseVerdict(
-                        phase, value, thr + extra, "baseline", exp + extra, size, a, b, allow
+                        phase,
+                        value,
+                        thr + extra,
+                        "baseline",
+                        exp + extra,
+                        size,
+                        a,
+                        b,
+                        allow,
+                        work_s if seen_s is None or work_s is None else seen_s,
                     )
                 )
                 slow = value > thr + extra
@@ -857,9 +879,14 @@ class SlowDetector:
                     tokens=out - 1)  # fmt: skip
                 slo("tpot", tpot, first, r.end)
             if len(r.itl_s) >= 2:
-                # one co-scheduled prefill can fall into one gap: the largest is allowed there
+                # one co-scheduled prefill can fall into one gap: the largest is allowed there;
+                # the prefill work that did fall into the longest gap (several prompts
+                # batched into one step) is what the rules compare the gap's excess to
                 gap_work = coscheduled(first, r.end, largest=True)
-                fit("itl_max", max(r.itl_s), size, first, r.end, work_s=gap_work)
+                longest = max(range(len(r.itl_s)), key=r.itl_s.__getitem__)
+                g0 = first + math.fsum(r.itl_s[:longest])
+                in_gap = coscheduled(g0, g0 + r.itl_s[longest])
+                fit("itl_max", max(r.itl_s), size, first, r.end, work_s=gap_work, seen_s=in_gap)
         elif r.e2e_s is not None:
             out_size = float(r.output_tokens) if r.output_tokens is not None else 0.0
             fit("e2e", r.e2e_s, out_size, r.start, r.end)
@@ -877,7 +904,7 @@ class SlowDetector:
                 "; ".join(
                     f"{p.phase} {p.value_s:.4g} {'>' if p.value_s > p.threshold_s else '<='}"
                     f" {p.threshold_s:.4g} ({p.basis}, expected {_g(p.expected_s)},"
-                    f" size {_g(p.size)})"
+                    f" size {_g(p.size)}{_work(p.work_s)})"
                     for p in judged
                 ),
             )  # fmt: skip

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from kvpressure.agent.attribution.detector import Verdict, quantile
+from kvpressure.agent.attribution.detector import DECODE_PHASES, Verdict, quantile
 from kvpressure.agent.attribution.model import (
     CAUSES,
     EVENT_CAUSES,
@@ -33,7 +33,7 @@ from kvpressure.agent.attribution.model import (
     Attribution,
     WindowAttribution,
 )
-from kvpressure.agent.attribution.rules import Params, Scope, evaluate
+from kvpressure.agent.attribution.rules import Params, Scope, SlowDecode, evaluate
 from kvpressure.agent.attribution.signals import Signals
 from kvpressure.agent.requests.record import RequestRecord
 
@@ -55,6 +55,21 @@ def primary_cause(scores: Mapping[str, float], min_score: float) -> str:
         if best_score >= min_score:
             return best
     return UNKNOWN
+
+
+def slow_decodes(verdict: Verdict) -> tuple[SlowDecode, ...]:
+    """The verdict's slow decode phases (``tpot``, ``itl_max``) for ``decode_interference``.
+
+    Only phases judged against their fit with the co-scheduled work known (``expected_s``
+    and ``work_s`` set): their own cost is ``expected_s`` less the co-scheduled allowance.
+    """
+    out: list[SlowDecode] = []
+    for p in verdict.slow_phases:
+        if p.phase not in DECODE_PHASES or p.expected_s is None or p.work_s is None:
+            continue
+        own = p.expected_s - (p.coscheduled_s or 0.0)
+        out.append(SlowDecode(p.phase, p.value_s, own, p.work_s))
+    return tuple(out)
 
 
 MIN_SCOPE_S = 5.0
@@ -101,7 +116,9 @@ class Attributor:
         # cause (a request that queued 0.8 s during a preemption storm): read at least
         # MIN_SCOPE_S, ending where the phase ends
         a = min(a, b - MIN_SCOPE_S)
-        scope = Scope(record.engine, a, b, self.lead_in_s, record, tuple(neighbours))
+        scope = Scope(
+            record.engine, a, b, self.lead_in_s, record, tuple(neighbours), slow_decodes(verdict)
+        )
         scores, evidence, unassessed = evaluate(sig, scope, self.params)
         return Attribution(
             engine=record.engine,

@@ -27,7 +27,8 @@ CAUSES: tuple[str, ...] = (
 """Causes an operator acts on, in tie-break order (the first wins a tie): a resource that
 is short (``memory``, ``storage``, ``network``, ``compute``), the engine's concurrency cap
 (``concurrency``: requests queue while every slot or ``max_num_seqs`` place is taken and KV
-has room), or another request's long prefill (``prefill_interference``)."""
+has room), or other requests' prefill (``prefill_interference``: a long one ahead in the
+queue or in the same steps, or short ones batched into a decode's steps)."""
 
 SYMPTOM_CAUSES: tuple[str, ...] = ("concurrency",)
 """Causes named only when no other cause scored ``min_score``: requests queue at the cap
@@ -43,9 +44,10 @@ REMEDIES: dict[str, str] = {
     "errors, proxy), and keep clients close to the engine",
     "concurrency": "requests wait for a slot while KV has room: raise the slot count "
     "(llama.cpp -np, vLLM --max-num-seqs) or add replicas",
-    "prefill_interference": "long prompts' prefill holds up other requests: enable or "
-    "shrink chunked prefill (vLLM --max-num-batched-tokens, llama.cpp -b/-ub), or route "
-    "long prompts to their own replica",
+    "prefill_interference": "long prompts' prefill holds up other requests, or prompts "
+    "prefilled in the same steps slow a decode: enable or shrink chunked prefill (vLLM "
+    "--max-num-batched-tokens, llama.cpp -b/-ub), or route long prompts to their own "
+    "replica",
     "compute": "the engine is short of CPU/GPU time: stop competing work, check throttling "
     "and clocks, or add capacity",
     "gpu_fault": "a GPU fault (XID or lost GPU): check the GPU and its driver, move the "

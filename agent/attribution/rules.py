@@ -40,6 +40,17 @@ prefill_interference       prefill_ 1.0    [0.2, 0.6]    share of the slow phase
                                                          prefill (records seen by the agent);
                                                          the largest blocker's prompt tokens are
                                                          the ``blocker_tokens`` label
+decode_interference        prefill_ 1.0    [0.5, 1.0]    for a slow decode phase (``tpot``,
+                           interf.                       ``itl_max``): the share of its excess
+                                                         over the fitted cost of a decode of
+                                                         its batch size that other requests'
+                                                         prefill work in its span accounts for,
+                                                         at most 1 (any prompt size: prefills
+                                                         batched into its decode steps; see
+                                                         below); the phase is the ``phase``
+                                                         label. Dropped when a memory,
+                                                         storage or compute rule scored
+                                                         >= min_score
 kv_cache_usage             memory   0.6    [0.90, 0.98]  max KV-cache usage ratio
 preemptions                memory   1.0    [0, 2]        preemptions in the scope (increase)
 prefix_cache_collapse      memory   0.6    [0.5, 0.9]    relative drop of the prefix-cache hit
@@ -141,6 +152,34 @@ else from the processes listening on its loopback port and their descendants; wi
 it), plus the lead-in, not over its whole life: a decode stall is attributed to what
 happened during the decode.
 
+**Prefill beside a decode.** An engine that batches prefill with decode (llama.cpp puts
+every waiting prompt into the next step; vLLM and SGLang chunked prefill) makes each
+running request's next token wait for the prompts prefilled in the same step, whatever
+their size: a long prompt's 8-token decode beside a stream of 60-token prompts doubles its
+time per token. ``prefill_interference`` cannot name that (a blocker must have at least
+twice the request's prompt: a short prompt does not hold a long one up in the queue or its
+prefill), so a decode phase has its own rule: the detector's verdict gives the phase's
+value, its own fitted cost (``expected`` less the co-scheduled allowance) and the other
+requests' prefill work in its span (each prefill at most what a normal one of its size
+costs, :func:`agent.attribution.detector.coscheduled_work`), and ``decode_interference``
+reads ``min(1, work / (value - own cost))``. The excess is what slowed the decode, and the
+prefill work can explain it only up to its own cost: a decode slowed 3x by a CPU hog, a
+swap storm or a slow disk has an excess far above the prefill work that ran beside it
+(which the hog does not inflate: it is capped at the normal cost), and scores below the
+threshold; a decode with no prefill beside it scores 0. ``value - own cost`` is per token
+for ``tpot``; for ``itl_max`` the work is the prefill inside the longest gap (llama.cpp
+prefills every prompt that arrived during a step in the next one). A prompt prefilled in
+the same step as others is reported with the whole step's time, so the work can read
+above the engine time it took: a decode slowed 2x by contention with several prompts
+batched into it can reach a score above ``min_score`` here, and the compute rule, which
+also fires then. So ``decode_interference`` yields to a resource shortage: it is dropped
+when a memory, storage or compute rule scored at least ``min_score`` in the scope. A
+shortage slows every step, the prefills batched into the decode included, and the records
+cannot split the decode's excess between the two (on the faults suite's memory scenario,
+8 requests for 4 slots under a cgroup limit that makes the engine swap, each decode's
+2.4 s gap held three newly admitted 400-token prompts whose normal cost alone is about the
+gap): the shortage is the cause to act on first, as a queue at the slot cap yields to it.
+
 **Stale engine statistics.** The engine sampler marks an engine's statistics stale
 (``kvpressure_engine_stats_stale`` 1, source ``stats`` in error) when its token counters
 have not moved while its gauges claimed running requests or a full KV cache
@@ -189,6 +228,30 @@ PREFIX_MIN_BASELINE_RATE = 0.2
 
 
 @dataclass(frozen=True, slots=True)
+class SlowDecode:
+    """A slow decode phase of the request attributed, as the detector judged it.
+
+    Built by :meth:`agent.attribution.engine.Attributor.attribute_request` from the
+    verdict's slow phases (:class:`agent.attribution.detector.PhaseVerdict`) that were
+    judged against the phase's fit with the co-scheduled work known.
+
+    Attributes:
+        phase: ``tpot`` or ``itl_max``.
+        value_s: the phase's value, seconds (per output token for ``tpot``).
+        own_s: the fitted cost of a decode of its batch size, without any co-scheduled
+            work, seconds (same unit).
+        work_s: other requests' prefill work in the phase's span, each prefill at most
+            a normal one's cost, seconds (per output token for ``tpot``; inside the longest
+            gap for ``itl_max``).
+    """
+
+    phase: str
+    value_s: float
+    own_s: float
+    work_s: float
+
+
+@dataclass(frozen=True, slots=True)
 class Scope:
     """What is being attributed.
 
@@ -200,6 +263,9 @@ class Scope:
         record: the request, for record-level rules; ``None`` for windows.
         neighbours: other recent requests of the same engine (``prefill_interference``
             looks for a long prefill among them); empty for windows.
+        decodes: the request's slow decode phases with their fitted cost and the
+            co-scheduled prefill work in their span (``decode_interference``); empty for
+            windows and for requests whose decode was not judged against a fit.
     """
 
     engine: str
@@ -208,6 +274,7 @@ class Scope:
     lead_in_s: float = 0.0
     record: RequestRecord | None = None
     neighbours: tuple[RequestRecord, ...] = ()
+    decodes: tuple[SlowDecode, ...] = ()
 
     @property
     def a(self) -> float:
@@ -531,6 +598,27 @@ def _prefill_interference(sig: Signals, sc: Scope, p: Params) -> Measurement | N
             last = hi
     labels = {"blocker_tokens": str(biggest), "blockers": str(len(spans))} if spans else {}
     return Measurement(covered / (sc.end - sc.start), "record.prefill_overlap", labels)
+
+
+@reads()
+def _decode_interference(sig: Signals, sc: Scope, p: Params) -> Measurement | None:
+    """Share of a slow decode's excess over its own cost that co-scheduled prefill explains.
+
+    Over the scope's slow decode phases (:attr:`Scope.decodes`), the largest
+    ``min(1, work / (value - own cost))``; ``None`` when no decode phase was judged
+    against its fit with the co-scheduled work known (the rule is then not assessed, as
+    for a window).
+    """
+    best: Measurement | None = None
+    for d in sc.decodes:
+        excess = d.value_s - d.own_s
+        if excess <= 0.0:
+            continue  # not over its own cost: nothing for the prefill work to explain
+        share = min(1.0, max(0.0, d.work_s) / excess)
+        if best is None or share > best.value:
+            labels = {"phase": d.phase, "work_s": f"{d.work_s:.4g}", "excess_s": f"{excess:.4g}"}
+            best = Measurement(share, "record.decode_coscheduled_prefill", labels)
+    return best
 
 
 @reads("kvpressure_engine_kv_cache_usage_ratio")
@@ -886,6 +974,9 @@ RULES: tuple[RuleSpec, ...] = (
     RuleSpec("prefill_interference", "prefill_interference", 1.0, 0.2, 0.6, "ratio",
              "share of the slow phase spent while a longer prompt was in prefill",
              _prefill_interference),
+    RuleSpec("decode_interference", "prefill_interference", 1.0, 0.5, 1.0, "ratio",
+             "share of a slow decode's excess over its own cost that prefill beside it explains",
+             _decode_interference),
     RuleSpec("kv_cache_usage", "memory", 0.6, 0.90, 0.98, "ratio",
              "max KV-cache usage ratio", _kv_cache_usage),
     RuleSpec("preemptions", "memory", 1.0, 0.0, 2.0, "1",
@@ -986,6 +1077,14 @@ RESIDUAL_EXPLAINED_BY = frozenset(
 """Causes that explain a TTFT not spent in prefill: a stalled engine is slow to start
 prefill, and a request waiting for a slot or behind another prefill is waiting."""
 
+YIELDS_TO_SHORTAGE = frozenset({"decode_interference"})
+"""Rules dropped when a rule of a cause in :data:`SHORTAGES` scored >= min_score (see
+"Prefill beside a decode" in the module docstring)."""
+
+SHORTAGES = frozenset({"memory", "storage", "compute"})
+"""Causes that slow every step of the engine: a decode's excess in their presence is not
+split between them and the prefill batched into it."""
+
 EVALUATE_READS: tuple[SampleName, ...] = (ENGINE_UP, STATS_STALE)
 """Read by :func:`evaluate` itself (:func:`engine_unavailable`, :func:`engine_stale`),
 besides the rules."""
@@ -1056,6 +1155,8 @@ def evaluate(
             else e
             for e in found
         ]  # fmt: skip
+    if any(e.cause in SHORTAGES and e.score >= params.min_score for e in found):
+        found = [e for e in found if e.signal not in YIELDS_TO_SHORTAGE]
     engine_stalled = any(
         e.cause in RESIDUAL_EXPLAINED_BY and e.score >= params.min_score for e in found
     )

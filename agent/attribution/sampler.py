@@ -207,6 +207,28 @@ def _last_in(
     return (t, total) if seen else None
 
 
+def _first_in(
+    sig: Signals, name: SampleName, a: float, b: float, match: Mapping[str, str]
+) -> tuple[float, float] | None:
+    """The earliest sample of the matching series of ``name`` in ``(a, b]``, summed.
+
+    Returns:
+        ``(t, sum)``: the latest of the series' first sample times in ``(a, b]`` and the sum
+        of those samples' values; ``None`` when no series has a sample there. One binary
+        search per series.
+    """
+    t = -math.inf
+    total = 0.0
+    seen = False
+    for s in sig.series(name, match):
+        i = bisect.bisect_right(s.ts, a)
+        if i < len(s.ts) and s.ts[i] <= b:
+            t = max(t, s.ts[i])
+            total += s.vs[i]
+            seen = True
+    return (t, total) if seen else None
+
+
 class SpanSink(Protocol):
     """Receives every slow-request attribution (the OTLP exporter implements it)."""
 
@@ -355,11 +377,15 @@ class AttributionSampler(Sampler):
         """``id()`` of the settled pending records to hold for a neighbour still in flight.
 
         A record is held while its engine ran more requests at the last engine sample
-        before its end (``kvpressure_engine_requests_running``, summed over the engine's
-        series) than the agent knows records that were in flight then (settled, pending
-        and the record itself): a request that was running beside it has not finished yet,
-        and its prefill may be what held this one up (a long prompt's record ends after
-        its decode, often well after the short request it blocked). At most
+        before its end, or at the first one after it (``kvpressure_engine_requests_running``,
+        summed over the engine's series), than the agent knows records that were in flight
+        then (settled, pending and the record itself): a request that was running beside it
+        has not finished yet, and its prefill may be what held this one up (a long prompt's
+        record ends after its decode, often well after the short request it blocked; short
+        prompts prefilled in a long one's last decode steps are running only after its
+        end, and end seconds later behind the next long prefill). A request that started
+        between the record's end and that sample holds it too, until its own record
+        arrives: later, never wrongly. At most
         :data:`HOLD_FOR_NEIGHBOURS_S` after the record's end, and not while the engine's
         statistics are stale or have no sample in the record's life; an engine whose
         requests the agent sees only in part (clients that bypass the proxy) has its
@@ -395,10 +421,16 @@ class AttributionSampler(Sampler):
             at = _last_in(sig, RUNNING, r.start, r.end, m)
             if at is None:
                 continue  # no engine sample in the record's life
-            t, running = at
-            known = bisect.bisect_right(starts[r.engine], t) - bisect.bisect_left(ends[r.engine], t)
-            if running > known:
-                held.add(id(r))
+            # and the first sample after its end: a request that started in the record's
+            # last sampling interval (a short prompt prefilled in a long one's last decode
+            # steps) is running there, and only there
+            after = _first_in(sig, RUNNING, r.end, now, m)
+            for t, running in (at,) if after is None else (at, after):
+                starts_e, ends_e = starts[r.engine], ends[r.engine]
+                known = bisect.bisect_right(starts_e, t) - bisect.bisect_left(ends_e, t)
+                if running > known:
+                    held.add(id(r))
+                    break
         return held
 
     def _decode_load(
