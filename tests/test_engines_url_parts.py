@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import httpx
 import pytest
+from test_footprint import fresh_interpreter
 
 from kvpressure.agent.samplers.engines.base import instance_of
 from kvpressure.agent.samplers.engines.http import url_parts
@@ -79,5 +77,4 @@ def test_plain_http_engines_never_import_httpx() -> None:
         "s.collect(Batch()); g.collect(Batch())\n"
         "print(s.instance, 'httpx' in sys.modules)"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "127.0.0.1:9 False"
+    assert fresh_interpreter(code) == "127.0.0.1:9 False"

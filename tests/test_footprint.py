@@ -50,6 +50,13 @@ def test_run_caps_malloc_arenas_unless_the_environment_chose() -> None:
     assert arenas > 1
 
 
+def fresh_interpreter(code: str) -> str:
+    """Run ``code`` in a new interpreter (what it imports is all its own) and return its
+    stripped stdout; a failure raises ``CalledProcessError``."""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return out.stdout.strip()
+
+
 def test_the_daemon_imports_no_protobuf_or_opentelemetry_until_a_feature_needs_them() -> None:
     # the OTLP receiver imports its messages on the first export, the exporter when
     # otlp_export.endpoint is set (their own tests show both still work)
@@ -58,8 +65,7 @@ def test_the_daemon_imports_no_protobuf_or_opentelemetry_until_a_feature_needs_t
         "print(sorted({m.split('.')[0] for m in sys.modules"
         " if m.startswith(('google', 'opentelemetry'))}))"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]"
+    assert fresh_interpreter(code) == "[]"
 
 
 def test_a_node_without_pod_resources_or_basic_auth_imports_no_protobuf_or_bcrypt() -> None:
@@ -78,5 +84,4 @@ def test_a_node_without_pod_resources_or_basic_auth_imports_no_protobuf_or_bcryp
         "print(sorted({m.split('.')[0] for m in sys.modules if m.startswith('google')}),"
         " 'kvpressure.agent.podresources' in sys.modules, 'bcrypt' in sys.modules)"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[] False False"
+    assert fresh_interpreter(code) == "[] False False"
