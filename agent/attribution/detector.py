@@ -886,7 +886,8 @@ class SlowDetector:
                 longest = max(range(len(r.itl_s)), key=r.itl_s.__getitem__)
                 g0 = first + math.fsum(r.itl_s[:longest])
                 in_gap = coscheduled(g0, g0 + r.itl_s[longest])
-                fit("itl_max", max(r.itl_s), size, first, r.end, work_s=gap_work, seen_s=in_gap)
+                fit("itl_max", r.itl_s[longest], size, first, r.end, work_s=gap_work,
+                    seen_s=in_gap)  # fmt: skip
         elif r.e2e_s is not None:
             out_size = float(r.output_tokens) if r.output_tokens is not None else 0.0
             fit("e2e", r.e2e_s, out_size, r.start, r.end)

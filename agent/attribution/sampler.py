@@ -425,8 +425,8 @@ class AttributionSampler(Sampler):
             # last sampling interval (a short prompt prefilled in a long one's last decode
             # steps) is running there, and only there
             after = _first_in(sig, RUNNING, r.end, now, m)
+            starts_e, ends_e = starts[r.engine], ends[r.engine]
             for t, running in (at,) if after is None else (at, after):
-                starts_e, ends_e = starts[r.engine], ends[r.engine]
                 known = bisect.bisect_right(starts_e, t) - bisect.bisect_left(ends_e, t)
                 if running > known:
                     held.add(id(r))
