@@ -44,35 +44,48 @@ ENG = "vllm"
 PSI = "kvpressure_psi_stall_seconds_total"
 HOST_CPU = "kvpressure_host_cpu_seconds_total"
 ENGINE_CPU = "kvpressure_engine_process_cpu_seconds_total"
+DISK_QUEUE = "kvpressure_disk_io_time_weighted_seconds_total"
 
 
 # --- attribution through a real timeline ------------------------------------------------------
 
 
 def timeline(
-    engine_cores: float | None, *, stall: float = 0.99, preempt_at: int | None = 12
+    engine_cores: float | None,
+    *,
+    stall: float = 0.99,
+    preempt_at: int | None = 12,
+    user_cores: float = 1.6,
+    disk_queue: float | None = None,
 ) -> Timeline:
-    """A 2-core host sampled every 0.5 s over [T-60, T+30]: both cores busy from T, CPU PSI
-    some at ``stall`` s/s, ``engine_cores`` of the busy CPU the engine's own (``None``: the
-    engine's CPU time unknown), KV at 96 % with requests waiting and one preemption at
-    ``T + preempt_at``."""
+    """A 2-core host sampled every 0.5 s over [T-60, T+30]: both cores busy from T
+    (``user_cores`` of them in user mode, the rest in the kernel), CPU PSI some at ``stall``
+    s/s, ``engine_cores`` of the busy CPU the engine's own (``None``: the engine's CPU time
+    unknown), KV at 96 % with requests waiting and one preemption at ``T + preempt_at``, a
+    disk's average queue at ``disk_queue`` from T when set."""
     tl = Timeline(4096, 1000)
-    psi = busy = idle = eng = preempted = 0.0
+    psi = busy = idle = eng = preempted = queued = 0.0
+    user = system = 0.0
     for i in range(-120, 61):
         t = T + i / 2
         if i > 0:
             psi += stall / 2
             busy += 2.0 / 2
+            user += user_cores / 2
+            system += (2.0 - user_cores) / 2
             eng += (engine_cores or 0.0) / 2
+            queued += (disk_queue or 0.0) / 2
         else:
             busy += 0.1 / 2
+            user += 0.08 / 2
+            system += 0.02 / 2
             idle += 1.9 / 2
         if preempt_at is not None and t >= T + preempt_at:
             preempted = 1.0
         samples = [
             Sample(PSI, psi, make_labels({"resource": "cpu", "kind": "some", "scope": "system"})),
-            Sample(HOST_CPU, 0.8 * busy, make_labels({"mode": "user"})),
-            Sample(HOST_CPU, 0.2 * busy, make_labels({"mode": "system"})),
+            Sample(HOST_CPU, user, make_labels({"mode": "user"})),
+            Sample(HOST_CPU, system, make_labels({"mode": "system"})),
             Sample(HOST_CPU, idle, make_labels({"mode": "idle"})),
             Sample(HOST_CPU, 0.0, make_labels({"mode": "iowait"})),
             Sample("kvpressure_engine_up", 1.0, make_labels({"engine": ENG, "instance": "h:1"})),
@@ -83,6 +96,8 @@ def timeline(
         ]
         if engine_cores is not None:
             samples.append(Sample(ENGINE_CPU, eng, make_labels({"engine": ENG, "instance": "h:1"})))
+        if disk_queue is not None:
+            samples.append(Sample(DISK_QUEUE, queued, make_labels({"device": "vda"})))
         tl.append(t, samples)
     return tl
 
@@ -143,6 +158,42 @@ def test_contention_scales_with_the_others_share() -> None:
     # (the product of stall rate and share, 0.28, would score 0.06: not compute)
     a = attribute(timeline(engine_cores=1.2, stall=0.7))
     assert a.scores["compute"] == pytest.approx((0.4 - 0.25) / 0.5, abs=0.02)
+
+
+def test_kernel_cpu_of_the_io_a_storage_rule_names_is_not_compute() -> None:
+    """Two ``dd conv=fsync`` writers and page-cache drops on 2 cores: the others' 1.5 busy
+    cores are all kernel time (page-cache copies, writeback, reclaim) and a disk queues 20
+    deep. The stall the engine saw waiting for a CPU is the I/O's, so storage is named and
+    ``psi_cpu_some`` (0.7 s/s against an others' share of 0.75: 0.9 before) does not score:
+    the others' user-space share is 0."""
+    a = attribute(timeline(0.5, stall=0.7, preempt_at=None, user_cores=0.5, disk_queue=20.0))
+    assert a.cause == "storage"
+    assert evidence(a, "disk_queue") is not None
+    assert evidence(a, "psi_cpu_some") is None
+    assert a.scores["compute"] == 0.0
+
+
+def test_kernel_cpu_without_an_io_rule_is_still_contention() -> None:
+    """The same kernel-heavy others with no memory, storage or network rule firing: their
+    CPU is read whole as contention (a syscall-heavy process is still a CPU hog)."""
+    a = attribute(timeline(0.5, stall=0.7, preempt_at=None, user_cores=0.5))
+    e = evidence(a, "psi_cpu_some")
+    assert e is not None and e.value == pytest.approx(0.7, rel=0.02)
+    assert e.labels["others_user_share"] == "0.00" and "kernel_cpu_of" not in e.labels
+    assert a.cause == "compute"
+
+
+def test_a_user_space_hog_beside_io_keeps_its_contention() -> None:
+    """Busy loops (user time) take 1.5 cores while a disk queues: the stall is bounded by
+    the others' user-space share (0.75), so compute keeps 0.9 and outweighs storage's
+    0.7."""
+    a = attribute(timeline(0.5, stall=0.7, preempt_at=None, user_cores=2.0, disk_queue=20.0))
+    e = evidence(a, "psi_cpu_some")
+    assert e is not None and e.value == pytest.approx(0.7, rel=0.02)
+    assert e.labels["kernel_cpu_of"] == "storage"
+    assert e.labels["others_user_share"] == "0.75"
+    assert a.scores["storage"] == pytest.approx(0.7)
+    assert a.cause == "compute"
 
 
 # --- the process-tree reader on a fixture procfs ----------------------------------------------

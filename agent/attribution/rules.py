@@ -110,7 +110,10 @@ psi_cpu_some               compute  1.0    [0.25, 0.75]  CPU PSI some stall rate
                                                          threads are its work, not contention.
                                                          The plain rate when the engine's CPU
                                                          time is unknown (remote engine, no
-                                                         permission); CPU engines
+                                                         permission); CPU engines. Bounded
+                                                         by the others' user-space share
+                                                         instead when a host memory, storage
+                                                         or network rule scored (see below)
 gpu_utilization            compute  0.5    [0.95, 1.0]   mean GPU utilisation (engine GPUs)
 gpu_throttle               compute  0.8    [0.0, 0.5]    share of samples with a slowdown clock
                                                          event active (power cap, thermal, HW)
@@ -146,6 +149,18 @@ and that share: time the engine's processes waited while others held a CPU is at
 The engine's CPU time comes from its cgroup's ``cpu.stat`` when ``engines[].cgroup`` is set,
 else from the processes listening on its loopback port and their descendants; without it
 (a remote engine, another PID namespace) the stall rate is read whole, as before.
+
+**Kernel CPU of I/O.** The others' busy CPU includes what the kernel spent on their
+behalf (``system``, ``irq``, ``softirq``): copying writes into the page cache, writeback,
+reclaim, swap, the network stack. When a host memory, storage or network rule
+(:data:`KERNEL_WORK_RULES`) scored at least ``min_score``, that kernel time is the work of
+the I/O, swap or traffic the rule names, and the CPU it took from the engine is part of
+that cause: ``psi_cpu_some`` is then bounded by the share the others spent in user space
+(and ``steal``) instead (``others_user_share``; the evidence carries ``kernel_cpu_of``). Two
+``dd conv=fsync`` writers plus page-cache drops on 2 cores take ~0.75 cores, all of it in
+the kernel (user 0.01): compute scored 0.4-0.8 beside storage's 0.7 and won about one slow
+request in ten. A CPU hog is user time and keeps its score; kernel-heavy work with no
+memory, storage or network rule firing is still read whole as contention.
 
 **Scope of a request.** A slow request is read over the time span of its slow phase(s)
 (the detector's verdict: the wait and prefill up to the first token, or the decode after
@@ -200,6 +215,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from kvpressure.agent.attribution.model import ENGINE_METRICS, ENGINE_METRICS_STALE, Cause, Evidence
 from kvpressure.agent.attribution.signals import Signals
@@ -289,11 +305,22 @@ class Scope:
 
 @dataclass(frozen=True, slots=True)
 class Measurement:
-    """A rule's observed value and where it came from."""
+    """A rule's observed value and where it came from.
+
+    Attributes:
+        value: the observed value, in the rule's unit.
+        metric: the metric (or record field) it was read from.
+        labels: what the evidence shows beside the value.
+        without_kernel: ``psi_cpu_some`` only: the value with other processes' kernel-mode
+            CPU left out; :func:`evaluate` reads it instead of ``value`` when a rule of
+            :data:`KERNEL_WORK_RULES` scored >= ``min_score`` (see "Kernel CPU of I/O" in
+            the module docstring). ``None``: not applicable or unknown.
+    """
 
     value: float
     metric: SampleName | str
     labels: Mapping[str, str] = field(default_factory=dict)
+    without_kernel: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -688,35 +715,67 @@ HOST_CPU: SampleName = "kvpressure_host_cpu_seconds_total"
 ENGINE_CPU: SampleName = "kvpressure_engine_process_cpu_seconds_total"
 CPU_IDLE_MODES = frozenset({"idle", "iowait"})
 """``kvpressure_host_cpu_seconds_total`` modes in which a CPU did no work."""
+CPU_USER_MODES = frozenset({"user", "nice", "steal"})
+"""Busy modes outside this kernel: user space (``guest`` is inside ``user``) and ``steal``
+(the hypervisor ran another guest). The rest (``system``, ``irq``, ``softirq``) is the
+kernel working, much of it for I/O: page-cache copies, writeback, reclaim, the network
+stack."""
 
 
-def others_cpu_share(sig: Signals, sc: Scope) -> tuple[float, float, float] | None:
+class CpuShare(NamedTuple):
+    """How the host's busy CPU split between the engine and other processes over a scope.
+
+    Attributes:
+        others: share of the busy CPU that was not the engine's own, [0, 1].
+        others_user: share of the busy CPU that other processes spent outside the kernel
+            (``user``, ``nice`` and ``steal`` less the engine's CPU), [0, 1]: a lower bound,
+            since the engine's own CPU time is not split by mode.
+        busy: busy CPUs, in cores.
+        engine: the engine's CPU, in cores.
+    """
+
+    others: float
+    others_user: float
+    busy: float
+    engine: float
+
+
+def others_cpu_share(sig: Signals, sc: Scope) -> CpuShare | None:
     """Share of the host's busy CPU over the scope that was not the engine's own.
 
     Busy CPU is the rate of ``kvpressure_host_cpu_seconds_total`` in every mode but idle
     and iowait (CPUs busy, in cores); the engine's own is the rate of
     ``kvpressure_engine_process_cpu_seconds_total`` (its cgroup or its process tree). Both
     come from the host sampler's cycles, so their rates cover the same sample intervals.
+    The user-space part (:data:`CPU_USER_MODES`) is counted apart for
+    :attr:`CpuShare.others_user`.
 
     Returns:
-        ``(share, busy cores, engine cores)``, the share clamped to [0, 1] (the engine's
-        per-process time and the host's per-CPU ticks are accounted apart); ``None`` when
-        either is unknown (a remote engine, no permission, an agent without these series)
-        or the host was not busy at all.
+        The split, shares clamped to [0, 1] (the engine's per-process time and the host's
+        per-CPU ticks are accounted apart); ``None`` when either is unknown (a remote
+        engine, no permission, an agent without these series) or the host was not busy.
     """
     engine = sig.counter_rate(ENGINE_CPU, sc.a, sc.b, engine_match(sc))
     if engine is None:
         return None
     busy: float | None = None
+    user = 0.0
     for s in sig.series(HOST_CPU):
-        if s.labels.get("mode") in CPU_IDLE_MODES:
+        mode = s.labels.get("mode")
+        if mode in CPU_IDLE_MODES:
             continue
         r = s.rate(sc.a, sc.b)
         if r is not None:
             busy = r if busy is None else busy + r
+            if mode in CPU_USER_MODES:
+                user += r
     if busy is None or busy <= 0.0:
         return None
-    return min(1.0, max(0.0, (busy - engine) / busy)), busy, engine
+
+    def share(cores: float) -> float:
+        return min(1.0, max(0.0, cores / busy))
+
+    return CpuShare(share(busy - engine), share(user - engine), busy, engine)
 
 
 @reads(PSI, PSI_AVG10, HOST_CPU, ENGINE_CPU)
@@ -730,8 +789,9 @@ def _psi_cpu_contention(sig: Signals, sc: Scope, p: Params) -> Measurement | Non
     the busy CPU they took (:func:`others_cpu_share`), so the value is the smaller of the
     two. (Their product would count a stall twice over: an engine held to 1.2 of 2 busy
     cores by others, PSI 0.7 and others' share 0.4, would score 0.28 -> 0.06, not compute.)
-    The plain stall rate is read when the engine's CPU time is unknown (no
-    ``others_cpu_share`` label then).
+    ``without_kernel`` bounds the stall by the others' user-space share instead, for
+    :func:`evaluate` to read when their kernel CPU was I/O or reclaim. The plain stall
+    rate is read when the engine's CPU time is unknown (no ``others_cpu_share`` label then).
     """
     got = psi_rate(sig, sc, "cpu", "some")
     if got is None:
@@ -740,16 +800,17 @@ def _psi_cpu_contention(sig: Signals, sc: Scope, p: Params) -> Measurement | Non
     share = others_cpu_share(sig, sc)
     if share is None:
         return Measurement(rate, PSI, labels)
-    others, busy, engine = share
     return Measurement(
-        min(rate, others),
+        min(rate, share.others),
         PSI,
         {
             **labels,
-            "others_cpu_share": f"{others:.2f}",
-            "busy_cores": f"{busy:.2f}",
-            "engine_cores": f"{engine:.2f}",
+            "others_cpu_share": f"{share.others:.2f}",
+            "others_user_share": f"{share.others_user:.2f}",
+            "busy_cores": f"{share.busy:.2f}",
+            "engine_cores": f"{share.engine:.2f}",
         },
+        without_kernel=min(rate, share.others_user),
     )
 
 
@@ -1077,6 +1138,16 @@ RESIDUAL_EXPLAINED_BY = frozenset(
 """Causes that explain a TTFT not spent in prefill: a stalled engine is slow to start
 prefill, and a request waiting for a slot or behind another prefill is waiting."""
 
+KERNEL_WORK_RULES = frozenset(
+    {"psi_memory_some", "psi_memory_full", "swap_in", "swap_out", "allocstalls",
+     "major_faults", "cgroup_memory_limit_hits", "psi_io_some", "psi_io_full", "disk_busy",
+     "disk_queue", "disk_read", "tcp_retransmits", "net_errors"}
+)  # fmt: skip
+"""Host rules of memory, storage and network whose cause makes the kernel work (reclaim,
+swap, page-cache copies and writeback, the network stack): when one scored >= min_score,
+``psi_cpu_some`` reads its ``without_kernel`` value (see "Kernel CPU of I/O" in the module
+docstring)."""
+
 YIELDS_TO_SHORTAGE = frozenset({"decode_interference"})
 """Rules dropped when a rule of a cause in :data:`SHORTAGES` scored >= min_score (see
 "Prefill beside a decode" in the module docstring)."""
@@ -1101,6 +1172,36 @@ LONG_LOOKBACK: dict[str, float] = {
     "kvpressure_engine_up": 0.0,
 }
 """Metrics read further back than the lead-in (seconds before the earliest scope)."""
+
+
+def _without_kernel_cpu(
+    found: list[Evidence],
+    measured: list[tuple[RuleSpec, Measurement]],
+    causes: list[str],
+    score: Callable[[RuleSpec, float], float],
+) -> list[Evidence]:
+    """Re-read the evidence of rules with a ``without_kernel`` value at that value.
+
+    Returns ``found`` with those rules' evidence re-scored (dropped when it no longer
+    scores) and labelled ``kernel_cpu_of`` with the ``causes`` whose kernel work the
+    left-out CPU was.
+    """
+    alt = {rule.name: (rule, m.without_kernel) for rule, m in measured
+           if m.without_kernel is not None}  # fmt: skip
+    if not alt:
+        return found
+    named = ",".join(sorted(set(causes)))
+    out: list[Evidence] = []
+    for e in found:
+        if e.signal not in alt:
+            out.append(e)
+            continue
+        rule, value = alt[e.signal]
+        s = score(rule, value)
+        if s > 0.0:
+            out.append(Evidence(e.cause, e.signal, e.metric, value, e.threshold, e.saturation,
+                                s, e.unit, {**e.labels, "kernel_cpu_of": named}))  # fmt: skip
+    return out
 
 
 def evaluate(
@@ -1155,6 +1256,10 @@ def evaluate(
             else e
             for e in found
         ]  # fmt: skip
+    kernel = [e.cause for e in found
+              if e.signal in KERNEL_WORK_RULES and e.score >= params.min_score]  # fmt: skip
+    if kernel:
+        found = _without_kernel_cpu(found, measured, kernel, score)
     if any(e.cause in SHORTAGES and e.score >= params.min_score for e in found):
         found = [e for e in found if e.signal not in YIELDS_TO_SHORTAGE]
     engine_stalled = any(
