@@ -173,6 +173,20 @@ def test_kernel_cpu_of_the_io_a_storage_rule_names_is_not_compute() -> None:
     assert a.scores["compute"] == 0.0
 
 
+def test_kernel_cpu_of_io_with_the_engine_cpu_unknown_is_bounded_by_the_user_share() -> None:
+    """A remote engine (its CPU time unknown) beside the same writers: the stall is bounded
+    by the user-space share of all the busy CPU (0.25: below the threshold), not read
+    whole."""
+    a = attribute(timeline(None, stall=0.7, preempt_at=None, user_cores=0.5, disk_queue=20.0))
+    assert a.cause == "storage"
+    assert evidence(a, "psi_cpu_some") is None
+    plain = attribute(timeline(None, stall=0.7, preempt_at=None, user_cores=0.5))
+    e = evidence(plain, "psi_cpu_some")
+    assert e is not None and e.value == pytest.approx(0.7, rel=0.02)
+    assert e.labels["user_cpu_share"] == "0.25"
+    assert plain.cause == "compute"
+
+
 def test_kernel_cpu_without_an_io_rule_is_still_contention() -> None:
     """The same kernel-heavy others with no memory, storage or network rule firing: their
     CPU is read whole as contention (a syscall-heavy process is still a CPU hog)."""

@@ -156,7 +156,9 @@ reclaim, swap, the network stack. When a host memory, storage or network rule
 (:data:`KERNEL_WORK_RULES`) scored at least ``min_score``, that kernel time is the work of
 the I/O, swap or traffic the rule names, and the CPU it took from the engine is part of
 that cause: ``psi_cpu_some`` is then bounded by the share the others spent in user space
-(and ``steal``) instead (``others_user_share``; the evidence carries ``kernel_cpu_of``). Two
+(and ``steal``) instead (``others_user_share``; the evidence carries ``kernel_cpu_of``), or,
+when the engine's CPU time is unknown, by the user-space share of all the busy CPU
+(``user_cpu_share``). Two
 ``dd conv=fsync`` writers plus page-cache drops on 2 cores take ~0.75 cores, all of it in
 the kernel (user 0.01): compute scored 0.4-0.8 beside storage's 0.7 and won about one slow
 request in ten. A CPU hog is user time and keeps its score; kernel-heavy work with no
@@ -740,24 +742,15 @@ class CpuShare(NamedTuple):
     engine: float
 
 
-def others_cpu_share(sig: Signals, sc: Scope) -> CpuShare | None:
-    """Share of the host's busy CPU over the scope that was not the engine's own.
+def host_busy_cpu(sig: Signals, sc: Scope) -> tuple[float, float] | None:
+    """The host's busy CPUs over the scope, in cores, and the part of it in user space.
 
-    Busy CPU is the rate of ``kvpressure_host_cpu_seconds_total`` in every mode but idle
-    and iowait (CPUs busy, in cores); the engine's own is the rate of
-    ``kvpressure_engine_process_cpu_seconds_total`` (its cgroup or its process tree). Both
-    come from the host sampler's cycles, so their rates cover the same sample intervals.
-    The user-space part (:data:`CPU_USER_MODES`) is counted apart for
-    :attr:`CpuShare.others_user`.
+    Rates of ``kvpressure_host_cpu_seconds_total``: busy is every mode but
+    :data:`CPU_IDLE_MODES`, user space the :data:`CPU_USER_MODES`.
 
     Returns:
-        The split, shares clamped to [0, 1] (the engine's per-process time and the host's
-        per-CPU ticks are accounted apart); ``None`` when either is unknown (a remote
-        engine, no permission, an agent without these series) or the host was not busy.
+        ``(busy, user)``; ``None`` when the series are absent or the host was not busy.
     """
-    engine = sig.counter_rate(ENGINE_CPU, sc.a, sc.b, engine_match(sc))
-    if engine is None:
-        return None
     busy: float | None = None
     user = 0.0
     for s in sig.series(HOST_CPU):
@@ -771,6 +764,28 @@ def others_cpu_share(sig: Signals, sc: Scope) -> CpuShare | None:
                 user += r
     if busy is None or busy <= 0.0:
         return None
+    return busy, user
+
+
+def others_cpu_share(sig: Signals, sc: Scope) -> CpuShare | None:
+    """Share of the host's busy CPU over the scope that was not the engine's own.
+
+    Busy CPU is :func:`host_busy_cpu`; the engine's own is the rate of
+    ``kvpressure_engine_process_cpu_seconds_total`` (its cgroup or its process tree). Both
+    come from the host sampler's cycles, so their rates cover the same sample intervals.
+
+    Returns:
+        The split, shares clamped to [0, 1] (the engine's per-process time and the host's
+        per-CPU ticks are accounted apart); ``None`` when either is unknown (a remote
+        engine, no permission, an agent without these series) or the host was not busy.
+    """
+    engine = sig.counter_rate(ENGINE_CPU, sc.a, sc.b, engine_match(sc))
+    if engine is None:
+        return None
+    host = host_busy_cpu(sig, sc)
+    if host is None:
+        return None
+    busy, user = host
 
     def share(cores: float) -> float:
         return min(1.0, max(0.0, cores / busy))
@@ -791,7 +806,9 @@ def _psi_cpu_contention(sig: Signals, sc: Scope, p: Params) -> Measurement | Non
     cores by others, PSI 0.7 and others' share 0.4, would score 0.28 -> 0.06, not compute.)
     ``without_kernel`` bounds the stall by the others' user-space share instead, for
     :func:`evaluate` to read when their kernel CPU was I/O or reclaim. The plain stall
-    rate is read when the engine's CPU time is unknown (no ``others_cpu_share`` label then).
+    rate is read when the engine's CPU time is unknown (no ``others_cpu_share`` label then);
+    its ``without_kernel`` is then bounded by the user-space share of all the busy CPU (the
+    engine's own included: an upper bound on the others').
     """
     got = psi_rate(sig, sc, "cpu", "some")
     if got is None:
@@ -799,7 +816,12 @@ def _psi_cpu_contention(sig: Signals, sc: Scope, p: Params) -> Measurement | Non
     rate, labels = got
     share = others_cpu_share(sig, sc)
     if share is None:
-        return Measurement(rate, PSI, labels)
+        host = host_busy_cpu(sig, sc)
+        if host is None:
+            return Measurement(rate, PSI, labels)
+        user = min(1.0, host[1] / host[0])
+        return Measurement(rate, PSI, {**labels, "user_cpu_share": f"{user:.2f}"},
+                           without_kernel=min(rate, user))  # fmt: skip
     return Measurement(
         min(rate, share.others),
         PSI,
