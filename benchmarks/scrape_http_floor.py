@@ -9,6 +9,9 @@ are several times what a burst of back-to-back requests measures. Servers:
 
 * ``asyncio``: a bare ``asyncio.Protocol`` writing one prepared response (no HTTP parsing;
   the floor of the event loop and the kernel's socket work);
+* ``h11``: an ``asyncio.Protocol`` around an ``h11.Connection`` (the pure-Python HTTP/1.1
+  state machine httpx's transport uses, already installed with it) answering each request
+  with the prepared body: what an HTTP server built on that library would cost;
 * ``aiohttp-lowlevel``: ``aiohttp.web.Server`` with a handler returning a prepared body and
   headers (aiohttp at its leanest);
 * ``agent``: the agent's app (:func:`agent.api.make_app` with the connection cap's
@@ -37,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 from node_cost import PROM_ACCEPT  # noqa: E402  (Prometheus' own Accept header)
 
 HEADERS = {"Accept": PROM_ACCEPT, "Accept-Encoding": "gzip"}
-SERVERS = ("asyncio", "aiohttp-lowlevel", "agent")
+SERVERS = ("asyncio", "h11", "aiohttp-lowlevel", "agent")
 OM = "application/openmetrics-text; version=1.0.0; charset=utf-8"
 
 
@@ -76,6 +79,36 @@ def serve(kind: str) -> None:
                         self.transport.write(response)
 
             server = await asyncio.get_running_loop().create_server(Reply, "127.0.0.1", 0)
+            port = server.sockets[0].getsockname()[1]
+        elif kind == "h11":
+            import h11
+
+            fields = [*headers.items(), ("Content-Length", str(len(body)))]
+
+            class H11Reply(asyncio.Protocol):
+                def connection_made(self, transport: asyncio.BaseTransport) -> None:
+                    assert isinstance(transport, asyncio.Transport)
+                    self.transport = transport
+                    self.conn = h11.Connection(h11.SERVER)
+
+                def data_received(self, data: bytes) -> None:
+                    conn = self.conn
+                    conn.receive_data(data)
+                    while True:
+                        event = conn.next_event()
+                        if event is h11.NEED_DATA or event is h11.PAUSED:
+                            break
+                        if isinstance(event, h11.Request):
+                            out = conn.send(h11.Response(status_code=200, headers=fields))
+                            out += conn.send(h11.Data(data=body)) + conn.send(h11.EndOfMessage())
+                            self.transport.write(out)
+                        elif isinstance(event, h11.EndOfMessage):
+                            conn.start_next_cycle()
+                        elif isinstance(event, h11.ConnectionClosed):
+                            self.transport.close()
+                            break
+
+            server = await asyncio.get_running_loop().create_server(H11Reply, "127.0.0.1", 0)
             port = server.sockets[0].getsockname()[1]
         elif kind == "aiohttp-lowlevel":
 
