@@ -222,6 +222,10 @@ def engine_views(latest: Callable[[SampleName], Mapping[Labels, float]]) -> dict
     }
 
 
+VIEW_NAMES: Final[tuple[SampleName, ...]] = (*_SUMMED, RATIO, SLOTS, INFO)
+"""Every metric :func:`engine_views` reads (asked in one ``AgentState.latest_many`` call)."""
+
+
 def saturation_concurrency(
     capacity: float | None,
     request_tokens: float | None,
@@ -313,6 +317,8 @@ class CapacitySampler(Sampler):
             lambda: deque(maxlen=FINALS_KEPT)
         )
         self._log = LogOnce(log)
+        # this collection's used-token history per engine (cleared at each collect)
+        self._history: dict[tuple[str, float, float | None], list[tuple[float, float]]] = {}
         if stream is not None:
             stream.subscribe(CONSUMER)
 
@@ -358,7 +364,9 @@ class CapacitySampler(Sampler):
     def collect(self, batch: Batch) -> None:
         """Add the capacity metrics of every engine the state knows (see the module doc)."""
         now = self.clock()
-        views = engine_views(self.state.latest)
+        latest = self.state.latest_many(VIEW_NAMES)  # one walk of the reports, not one a name
+        views = engine_views(latest.__getitem__)
+        self._history.clear()
         if self.stream is not None:
             self._drain_stream(now)
         else:
@@ -392,6 +400,14 @@ class CapacitySampler(Sampler):
         self._savings(batch, v, now)
 
     def _used_history(self, v: EngineView, now: float) -> list[tuple[float, float]]:
+        # asked twice per engine and collection (footprint, time to saturation): read once
+        key = (v.engine, now, v.capacity)
+        got = self._history.get(key)
+        if got is None:
+            got = self._history[key] = self._read_used_history(v, now)
+        return got
+
+    def _read_used_history(self, v: EngineView, now: float) -> list[tuple[float, float]]:
         tl = self.state.timeline
         match = {"engine": v.engine}
         pts = _summed_series(tl.window(USED, now - self.window_s, now, match))
