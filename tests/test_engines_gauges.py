@@ -7,6 +7,7 @@ the captured expositions of every engine type.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gzip
 import socket
@@ -163,6 +164,59 @@ def test_kept_alive_reopens_a_connection_the_engine_closed_while_idle(
         client.close()
     assert [r.body if r else None for r in got] == [BODY] * 3
     assert srv.accepted == 3
+
+
+class PausingServer:
+    """Answers one request per connection in ``parts``, ``pause_s`` apart (all of the
+    response bytes at the end when ``parts`` is empty: none, the engine never answers)."""
+
+    def __init__(self, parts: list[bytes], pause_s: float) -> None:
+        self._parts, self._pause_s = parts, pause_s
+        self._sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                conn, _ = self._sock.accept()
+                threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn, contextlib.suppress(OSError):
+            conn.recv(65536)
+            for part in self._parts:
+                time.sleep(self._pause_s)
+                conn.sendall(part)
+            time.sleep(5)  # hold the connection open, answering nothing more
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+def test_kept_alive_waits_for_a_body_in_pieces_and_cuts_a_silent_engine_at_the_deadline() -> None:
+    """The non-blocking socket waits in poll when nothing has arrived: a response sent in
+    pieces 50 ms apart is read whole; an engine that accepts and never answers is cut at
+    the deadline (reason ``timeout``), not later."""
+    body = b"# " + b"y" * 300_000 + b"\n"  # more than one read
+    head = f"HTTP/1.1 200 OK\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+    pieces = PausingServer([head[:10], head[10:], body[:1000], body[1000:]], 0.05)
+    silent = PausingServer([], 0.0)
+    try:
+        client = KeptAlive(pieces.url)
+        got = get(client)
+        client.close()
+        assert got is not None and got.status == 200 and got.body == body.decode()
+        client = KeptAlive(silent.url)
+        t0 = time.monotonic()
+        got = get(client, budget_s=0.3)
+        elapsed = time.monotonic() - t0
+        client.close()
+        assert got is not None and (got.status, got.reason) == (None, "timeout")
+        assert 0.25 <= elapsed < 1.0
+    finally:
+        pieces.close()
+        silent.close()
 
 
 def _numbered(n: int) -> tuple[bytes, bool]:
