@@ -25,8 +25,11 @@ Each ``+poll`` and ``+poll-ka`` scenario's excess over its base scenario, divide
 20 scrapes a second, is printed as the CPU of one scrape (render, gzip and the HTTP
 handling).
 
-The engines are served by one separate process (its CPU is not the agent's), over
-kept-alive HTTP/1.1 connections with ``TCP_NODELAY``, as vLLM's uvicorn serves them. The fake
+Each engine is a process of its own listening on its port, with one child process (vLLM's
+API server and its ``EngineCore``), so the agent finds and reads each engine's process tree
+for its CPU time as on a real node (one process serving every port would be read as one
+engine's). Their CPU is not the agent's. They serve over kept-alive HTTP/1.1 connections
+with ``TCP_NODELAY``, as vLLM's uvicorn serves them. The fake
 NVML runs inside the agent; its own cost per call is printed separately
 (``fake NVML alone``) so the GPU slope can be read net of it. ``prometheus-node-exporter``
 (Debian's package; not its service: started here on a free port) runs through every
@@ -57,6 +60,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import http.client
+import os
 import shutil
 import socket
 import statistics
@@ -101,12 +105,46 @@ class H(BaseHTTPRequestHandler):
         self.wfile.write(body)
     def log_message(self, *a):
         pass
-for port in sys.argv[2:]:
-    s = ThreadingHTTPServer(("127.0.0.1", int(port)), H)
-    threading.Thread(target=s.serve_forever, daemon=True).start()
+import subprocess
+subprocess.Popen(["sleep", "infinity"])  # the engine core: a child in the engine's tree
+s = ThreadingHTTPServer(("127.0.0.1", int(sys.argv[2])), H)
 print("ready", flush=True)
-threading.Event().wait()
+s.serve_forever()
 """
+"""One engine stand-in: serves the capture ``argv[1]`` on port ``argv[2]``, with a child."""
+
+
+def start_engines(capture: Path, ports: list[int]) -> list[subprocess.Popen[bytes]]:
+    """Start one :data:`ENGINE_SERVER` process per port (each in its own session, with its
+    child); returns once every one listens."""
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for port in ports:
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-c", ENGINE_SERVER, str(capture), str(port)],
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.DEVNULL,
+                    start_new_session=True,
+                )
+            )
+        for p in procs:
+            assert p.stdout is not None
+            p.stdout.readline()
+    except BaseException:
+        stop_engines(procs)
+        raise
+    return procs
+
+
+def stop_engines(procs: list[subprocess.Popen[bytes]]) -> None:
+    """Kill the engine stand-ins and their children (their process groups)."""
+    for p in procs:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, 9)
+    for p in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(10)
 
 
 def free_port() -> int:
@@ -431,19 +469,14 @@ def main() -> int:
     engine_ports = [free_port() for _ in range(16)]
     with tempfile.TemporaryDirectory() as d:
         work = Path(d)
-        server = subprocess.Popen(
-            [sys.executable, "-c", ENGINE_SERVER, str(capture), *map(str, engine_ports)],
-            stdout=subprocess.PIPE,
-        )
-        assert server.stdout is not None
-        server.stdout.readline()
+        ports_used = engine_ports if "node+16" in args.scenarios else engine_ports[:8]
+        servers = start_engines(capture, ports_used)
         if args.timeline:
             try:
                 print(f"capture: {capture} ({capture.stat().st_size / 1e3:.0f} KB)")
                 timeline_footprint(engine_ports)
             finally:
-                server.terminate()
-                server.wait(10)
+                stop_engines(servers)
             return 0
         assert exe is not None
         ne_port = free_port()
@@ -463,7 +496,7 @@ def main() -> int:
                 )
         finally:
             ne_proc.terminate()
-            server.terminate()
+            stop_engines(servers)
     print(f"capture: {capture} ({capture.stat().st_size / 1e3:.0f} KB); agent: {args.kvpressure}")
     print(
         f"{'scenario':<10} {'agent cpu':>9} {'node_exp':>9} {'ratio':>6} "

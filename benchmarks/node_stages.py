@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import gc
-import subprocess
 import sys
 import threading
 import time
@@ -80,16 +78,10 @@ def main() -> int:
     scheduler.SamplerRunner.prepare = timed_prepare  # type: ignore[method-assign,assignment]
     capture = next(p for p in node_cost.CAPTURES if p.exists())
     ports = [node_cost.free_port() for _ in range(8)]
-    server = subprocess.Popen(
-        [sys.executable, "-c", node_cost.ENGINE_SERVER, str(capture), *map(str, ports)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-    )
+    servers = node_cost.start_engines(capture, ports)
     daemon: Daemon | None = None
     stop = threading.Event()
     try:
-        assert server.stdout is not None
-        server.stdout.readline()
         scenario = node_cost.scenario_config("node", node_cost.free_port(), ports)
         cfg = config.parse(yaml.safe_dump(scenario))
         daemon = Daemon(cfg)
@@ -118,9 +110,7 @@ def main() -> int:
         if daemon is not None:
             for r in daemon._runners.stop():
                 r.join(2.0)
-        server.terminate()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            server.wait(10)
+        node_cost.stop_engines(servers)
     timed = sum(spent.values())
     print(f"node stages, {wall:.0f} s: process {100 * total / wall:.2f} % of a core")
     for stage, s in sorted(spent.items(), key=lambda kv: -kv[1]):
