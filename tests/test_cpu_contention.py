@@ -14,6 +14,7 @@ sampler's readings of a real process tree burning CPU, found through the real PI
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import subprocess
@@ -34,6 +35,7 @@ from kvpressure.agent.config import EngineConfig
 from kvpressure.agent.discovery import engine_pids
 from kvpressure.agent.kube import EnginePods
 from kvpressure.agent.requests.record import RequestRecord
+from kvpressure.agent.samplers import proctree
 from kvpressure.agent.samplers.host import HostSampler
 from kvpressure.agent.samplers.proctree import MAX_TREE, ProcessTreeCpu, parse_stat
 from kvpressure.agent.samples import Batch, Sample, make_labels
@@ -229,6 +231,9 @@ class FakeProc:
         (self.root / str(pid) / "stat").write_text(stat_line(pid, ppid, ticks, start))
 
     def kill(self, pid: int) -> None:
+        # procfs fails a read through a descriptor kept open on a reaped process (ESRCH);
+        # a regular file kept open would still read: emptied first, it reads nothing
+        (self.root / str(pid) / "stat").write_text("")
         (self.root / str(pid) / "stat").unlink()
         (self.root / str(pid)).rmdir()
 
@@ -295,6 +300,71 @@ def test_the_tree_is_bounded(tmp_path: Path) -> None:
     for pid in range(100, 100 + 2 * MAX_TREE):
         p.set(pid, 10, 1)
     assert p.reader().read("e", (10,)) == pytest.approx(MAX_TREE / 100)
+
+
+def open_stats(under: str) -> set[str]:
+    """The ``stat`` files under ``under`` this process holds open."""
+    out = set()
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            if target.startswith(under) and target.endswith("/stat"):
+                out.add(target)
+    return out
+
+
+def test_members_stat_files_stay_open_and_close_when_their_process_is_gone() -> None:
+    """On the real procfs: each member's stat is kept open between reads (one pread a
+    cycle); once a member is reaped its descriptor reads ESRCH and is closed, what it used
+    stays counted, and close() closes the rest."""
+    parent = subprocess.Popen(
+        [sys.executable, "-c", "import subprocess, sys, time;"
+         " c = subprocess.Popen(['sleep', '60']); print(c.pid, flush=True); c.wait();"
+         " time.sleep(60)"],
+        stdout=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        assert parent.stdout is not None
+        child = int(parent.stdout.readline())
+        r = ProcessTreeCpu("/proc", clock=time.monotonic)
+        first = r.read("e", (parent.pid,))
+        assert first is not None
+        want = {f"/proc/{parent.pid}/stat", f"/proc/{child}/stat"}
+        assert open_stats("/proc/") >= want
+        again = r.read("e", (parent.pid,))
+        assert again is not None and again >= first
+        assert open_stats("/proc/") >= want  # the same files, not opened anew and leaked
+        os.kill(child, 9)  # the parent reaps it
+        deadline = time.monotonic() + 5
+        while psutil.pid_exists(child) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        after = r.read("e", (parent.pid,))
+        assert after is not None and after >= again  # never down
+        assert f"/proc/{child}/stat" not in open_stats("/proc/")
+        assert f"/proc/{parent.pid}/stat" in open_stats("/proc/")
+        r.close()
+        assert not open_stats(f"/proc/{parent.pid}/")
+    finally:
+        os.killpg(parent.pid, 9)
+        parent.wait()
+
+
+def test_kept_stat_files_are_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Beyond KEPT_STATS members the rest are opened on each read; the counts hold."""
+    monkeypatch.setattr(proctree, "KEPT_STATS", 2)
+    p = FakeProc(tmp_path)
+    p.set(10, 1, 100)
+    for pid in range(11, 15):
+        p.set(pid, 10, 100)
+    r = p.reader()
+    assert r.read("e", (10,)) == pytest.approx(5.0)
+    for pid in range(10, 15):
+        p.set(pid, 10 if pid > 10 else 1, 150)
+    p.t = 1.0
+    assert r.read("e", (10,)) == pytest.approx(7.5)
+    assert len(open_stats(str(tmp_path))) == 2
+    r.close()
+    assert not open_stats(str(tmp_path))
 
 
 # --- the host sampler against a real process tree burning CPU --------------------------------

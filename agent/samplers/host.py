@@ -765,6 +765,10 @@ class HostSampler(Sampler):
 
     # --- framework ---------------------------------------------------------------------
 
+    def close(self) -> None:
+        """Close the engines' process ``stat`` files kept open (:mod:`.proctree`)."""
+        self._trees.close()
+
     def collect(self, batch: Batch) -> None:
         """Read every source and add its samples and one status per source to ``batch``.
 

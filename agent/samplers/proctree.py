@@ -14,6 +14,14 @@ Sources, under an injected procfs root (no psutil: its functions do not take a r
   find the roots' descendants by their ``ppid`` (vLLM's API server listens and its
   ``EngineCore`` child computes; a multi-process server has several).
 
+A member's ``stat`` stays open between cycles and is read with one ``pread`` at offset 0
+(procfs writes it anew on every read): opening, reading and closing it each cycle was about
+30 µs per process here, 0.55 ms a cycle for 8 engines of two processes at 10 Hz. The
+descriptor is bound to the process it was opened on, not to the PID: once that process is
+gone (reaped, or its PID given to another) the read fails with ``ESRCH``, the descriptor is
+closed and the PID is opened afresh, so a reused PID is never read as the process it was.
+Descriptors of processes no tree holds any more are closed when a tree's members change.
+
 The tree's CPU time is kept as a counter per engine that never goes down: each cycle adds
 every known member's CPU time since the last cycle, and the whole CPU time of a member seen
 for the first time (it started since the last tree refresh, or this is the first reading;
@@ -28,6 +36,7 @@ a reset whose increase is the whole new value.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -41,6 +50,12 @@ MAX_TREE: Final = 256
 
 MAX_TREES: Final = 1024
 """Most trees (engines) tracked at once; beyond it :meth:`ProcessTreeCpu.read` answers None."""
+
+KEPT_STATS: Final = 256
+"""Members' ``stat`` files kept open at most; the members beyond are opened on each read."""
+
+_STAT_BYTES: Final = 4096
+"""Read size of one ``/proc/<pid>/stat`` (a line of ~52 numbers and a 16-byte name)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +127,7 @@ class ProcessTreeCpu:
         """Clock ticks per second (``USER_HZ``: also the unit of ``/proc/stat``)."""
         self._trees: dict[str, _Tree] = {}
         self._map: tuple[float, dict[int, list[int]]] | None = None
+        self._fds: dict[int, int] = {}  # member pid -> its stat file, open
 
     def _stat(self, pid: int | str) -> ProcStat | None:
         """Read ``<procfs>/<pid>/stat``; ``None`` when gone, unreadable or unparsable.
@@ -123,6 +139,51 @@ class ProcessTreeCpu:
                 return parse_stat(f.read().decode("utf-8", "replace"))
         except OSError:
             return None
+
+    def _member_stat(self, pid: int) -> ProcStat | None:
+        """Read a tree member's ``stat`` through its kept descriptor (see the module doc).
+
+        ``None`` when the process is gone, unreadable or its line does not parse.
+        """
+        fd = self._fds.get(pid)
+        if fd is not None:
+            try:
+                data = os.pread(fd, _STAT_BYTES, 0)
+            except OSError:  # ESRCH: the process this descriptor was opened on is gone
+                data = b""
+            if data:
+                return parse_stat(data.decode("utf-8", "replace"))
+            self._close(pid)
+        try:
+            fd = os.open(os.path.join(self._proc, str(pid), "stat"), os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return None
+        try:
+            data = os.pread(fd, _STAT_BYTES, 0)
+        except OSError:
+            data = b""
+        if not data or len(self._fds) >= KEPT_STATS:
+            os.close(fd)
+        else:
+            self._fds[pid] = fd
+        return parse_stat(data.decode("utf-8", "replace")) if data else None
+
+    def _close(self, pid: int) -> None:
+        fd = self._fds.pop(pid, None)
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def _sweep(self) -> None:
+        """Close the kept descriptors of processes no tree holds."""
+        held = {pid for tree in self._trees.values() for pid in tree.members}
+        for pid in [p for p in self._fds if p not in held]:
+            self._close(pid)
+
+    def close(self) -> None:
+        """Close every kept descriptor (the trees' counters stay)."""
+        for pid in list(self._fds):
+            self._close(pid)
 
     def _children(self, fresh: bool) -> dict[int, list[int]]:
         """PID to its children's PIDs, from every ``<procfs>/<pid>/stat``.
@@ -174,7 +235,7 @@ class ProcessTreeCpu:
             restarted, add their processes' CPU time to it); ``None`` when no root can be
             read (gone, no permission, another PID namespace). Never raises.
         """
-        found = {p: st for p in dict.fromkeys(pids) if (st := self._stat(p)) is not None}
+        found = {p: st for p in dict.fromkeys(pids) if (st := self._member_stat(p)) is not None}
         if not found:
             return None
         roots = frozenset((p, st.start) for p, st in found.items())
@@ -193,7 +254,7 @@ class ProcessTreeCpu:
             pids_now = [*found, *(p for p in tree.members if p not in found)]
         members: dict[int, tuple[int, int]] = {}
         for pid in pids_now:
-            st = found.get(pid) or self._stat(pid)
+            st = found.get(pid) or self._member_stat(pid)
             if st is None:
                 continue  # exited: what it used until its last reading stays counted
             known = tree.members.get(pid)
@@ -202,11 +263,17 @@ class ProcessTreeCpu:
             else:
                 tree.total += st.ticks  # new since the last refresh (or the first reading)
             members[pid] = (st.start, st.ticks)
+        changed = members.keys() != tree.members.keys()
         tree.members = members
+        if changed:
+            self._sweep()
         return tree.total / self.hz
 
     def forget(self, keep: Iterable[str]) -> None:
         """Drop the trees of keys not in ``keep`` (engines no longer configured)."""
         wanted = set(keep)
-        for key in [k for k in self._trees if k not in wanted]:
+        gone = [k for k in self._trees if k not in wanted]
+        for key in gone:
             del self._trees[key]
+        if gone:
+            self._sweep()
