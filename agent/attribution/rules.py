@@ -767,25 +767,22 @@ def host_busy_cpu(sig: Signals, sc: Scope) -> tuple[float, float] | None:
     return busy, user
 
 
-def others_cpu_share(sig: Signals, sc: Scope) -> CpuShare | None:
+def others_cpu_share(sig: Signals, sc: Scope, busy: float, user: float) -> CpuShare | None:
     """Share of the host's busy CPU over the scope that was not the engine's own.
 
-    Busy CPU is :func:`host_busy_cpu`; the engine's own is the rate of
-    ``kvpressure_engine_process_cpu_seconds_total`` (its cgroup or its process tree). Both
-    come from the host sampler's cycles, so their rates cover the same sample intervals.
+    ``busy`` and ``user`` are :func:`host_busy_cpu`'s (cores); the engine's own is the rate
+    of ``kvpressure_engine_process_cpu_seconds_total`` (its cgroup or its process tree).
+    Both come from the host sampler's cycles, so their rates cover the same sample
+    intervals.
 
     Returns:
         The split, shares clamped to [0, 1] (the engine's per-process time and the host's
-        per-CPU ticks are accounted apart); ``None`` when either is unknown (a remote
-        engine, no permission, an agent without these series) or the host was not busy.
+        per-CPU ticks are accounted apart); ``None`` when the engine's CPU time is unknown
+        (a remote engine, no permission, an agent without the series).
     """
     engine = sig.counter_rate(ENGINE_CPU, sc.a, sc.b, engine_match(sc))
     if engine is None:
         return None
-    host = host_busy_cpu(sig, sc)
-    if host is None:
-        return None
-    busy, user = host
 
     def share(cores: float) -> float:
         return min(1.0, max(0.0, cores / busy))
@@ -814,11 +811,11 @@ def _psi_cpu_contention(sig: Signals, sc: Scope, p: Params) -> Measurement | Non
     if got is None:
         return None
     rate, labels = got
-    share = others_cpu_share(sig, sc)
+    host = host_busy_cpu(sig, sc)
+    if host is None:
+        return Measurement(rate, PSI, labels)
+    share = others_cpu_share(sig, sc, *host)
     if share is None:
-        host = host_busy_cpu(sig, sc)
-        if host is None:
-            return Measurement(rate, PSI, labels)
         user = min(1.0, host[1] / host[0])
         return Measurement(rate, PSI, {**labels, "user_cpu_share": f"{user:.2f}"},
                            without_kernel=min(rate, user))  # fmt: skip
