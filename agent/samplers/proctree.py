@@ -129,16 +129,36 @@ class ProcessTreeCpu:
         self._map: tuple[float, dict[int, list[int]]] | None = None
         self._fds: dict[int, int] = {}  # member pid -> its stat file, open
 
+    def _open_stat(self, pid: int | str) -> tuple[int, bytes] | None:
+        """Open ``<procfs>/<pid>/stat`` and read it.
+
+        Returns ``(descriptor, bytes)``, the descriptor still open; ``None`` when the
+        process is gone or unreadable (nothing is left open then).
+        """
+        try:
+            fd = os.open(os.path.join(self._proc, str(pid), "stat"), os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return None
+        try:
+            data = os.pread(fd, _STAT_BYTES, 0)
+        except OSError:
+            data = b""
+        if not data:
+            os.close(fd)
+            return None
+        return fd, data
+
     def _stat(self, pid: int | str) -> ProcStat | None:
         """Read ``<procfs>/<pid>/stat``; ``None`` when gone, unreadable or unparsable.
 
-        Opened afresh each time: a kept descriptor of an exited process would linger.
+        Opened afresh and closed (the scan of every process): kept descriptors are for tree
+        members only (:meth:`_member_stat`).
         """
-        try:
-            with open(os.path.join(self._proc, str(pid), "stat"), "rb") as f:
-                return parse_stat(f.read().decode("utf-8", "replace"))
-        except OSError:
+        got = self._open_stat(pid)
+        if got is None:
             return None
+        os.close(got[0])
+        return parse_stat(got[1].decode("utf-8", "replace"))
 
     def _member_stat(self, pid: int) -> ProcStat | None:
         """Read a tree member's ``stat`` through its kept descriptor (see the module doc).
@@ -154,19 +174,15 @@ class ProcessTreeCpu:
             if data:
                 return parse_stat(data.decode("utf-8", "replace"))
             self._close(pid)
-        try:
-            fd = os.open(os.path.join(self._proc, str(pid), "stat"), os.O_RDONLY | os.O_CLOEXEC)
-        except OSError:
+        got = self._open_stat(pid)
+        if got is None:
             return None
-        try:
-            data = os.pread(fd, _STAT_BYTES, 0)
-        except OSError:
-            data = b""
-        if not data or len(self._fds) >= KEPT_STATS:
-            os.close(fd)
-        else:
+        fd, data = got
+        if len(self._fds) < KEPT_STATS:
             self._fds[pid] = fd
-        return parse_stat(data.decode("utf-8", "replace")) if data else None
+        else:
+            os.close(fd)
+        return parse_stat(data.decode("utf-8", "replace"))
 
     def _close(self, pid: int) -> None:
         fd = self._fds.pop(pid, None)
