@@ -1,4 +1,6 @@
-"""The agent's HTTP surface (aiohttp): ``/metrics``, ``/healthz`` and ``/api/v1/snapshot``.
+"""The agent's HTTP routes: ``/metrics``, ``/healthz``, ``/api/v1/snapshot`` and attributions.
+
+They are served by :class:`agent.httpd.HttpServer`.
 
 ``/api/v1/snapshot`` returns JSON::
 
@@ -21,12 +23,11 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Final
 
-from aiohttp import web
-from aiohttp.typedefs import Middleware
 from prometheus_client.registry import CollectorRegistry
 
 from kvpressure.agent import __version__
 from kvpressure.agent.attribution.store import AttributionStore
+from kvpressure.agent.httpd import Request, Response, Route, get, json_response
 from kvpressure.agent.state import AgentState, SamplerReport
 from kvpressure.exporters.prometheus import ExpositionCache
 
@@ -82,13 +83,13 @@ def snapshot(state: AgentState) -> dict[str, Any]:
     }
 
 
-def make_app(
-    state: AgentState,
-    registry: CollectorRegistry,
-    routes: Sequence[web.AbstractRouteDef] = (),
-    middlewares: Sequence[Middleware] = (),
-) -> web.Application:
-    """Build the aiohttp application serving ``state``.
+def api_routes(
+    state: AgentState, registry: CollectorRegistry, routes: Sequence[Route] = ()
+) -> list[Route]:
+    """The routes serving ``state`` (serve them with :class:`agent.httpd.HttpServer`).
+
+    ``/metrics`` is rendered once per state change, in the format and encoding asked
+    (:class:`exporters.prometheus.ExpositionCache`), not once per scrape.
 
     Args:
         state: the agent state to expose.
@@ -96,14 +97,12 @@ def make_app(
             :func:`exporters.prometheus.make_registry`).
         routes: extra routes served on the same listener (e.g. the OTLP trace receiver's
             ``POST /v1/traces``).
-        middlewares: aiohttp middlewares (the listener's
-            :attr:`agent.listener.ConnectionCap.middleware`).
     """
     cache = ExpositionCache(registry, state)
     # one header set per (format, gzip): at most a few, built on first use
     response_headers: dict[tuple[str, bool], dict[str, str]] = {}
 
-    async def metrics(request: web.Request) -> web.Response:
+    async def metrics(request: Request) -> Response:
         asked = request.headers
         body, content_type, zipped = cache.get(asked.get("Accept"), asked.get("Accept-Encoding"))
         out = response_headers.get((content_type, zipped))
@@ -113,26 +112,20 @@ def make_app(
                 out["Content-Encoding"] = "gzip"
             if len(response_headers) < 64:  # content types are the library's few
                 response_headers[(content_type, zipped)] = out
-        return web.Response(body=body, headers=out)
+        return Response(body, headers=out)
 
-    async def healthz(_: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", "uptime_s": time.time() - state.started})
+    async def healthz(_: Request) -> Response:
+        return json_response({"status": "ok", "uptime_s": time.time() - state.started})
 
-    async def snap(_: web.Request) -> web.Response:
-        return web.json_response(snapshot(state))
+    async def snap(_: Request) -> Response:
+        return json_response(snapshot(state))
 
-    # Request bodies reach the handlers as sent: the OTLP receiver decompresses gzip itself,
-    # under its own size limit (otlp_receiver.max_body_bytes) and with its own errors.
-    app = web.Application(
-        client_max_size=1 << 20,
-        handler_args={"auto_decompress": False},
-        middlewares=list(middlewares),
-    )
-    app.router.add_get("/metrics", metrics)
-    app.router.add_get("/healthz", healthz)
-    app.router.add_get("/api/v1/snapshot", snap)
-    app.router.add_routes(routes)
-    return app
+    return [
+        get("/metrics", metrics),
+        get("/healthz", healthz),
+        get("/api/v1/snapshot", snap),
+        *routes,
+    ]
 
 
 MAX_ATTRIBUTIONS_LIMIT: Final = 1000
@@ -145,7 +138,7 @@ def attribution_routes(
     started: float | None = None,
     min_score: float = 0.3,
     known_engines: Callable[[], Iterable[str]] | None = None,
-) -> list[web.RouteDef]:
+) -> list[Route]:
     """``GET /api/v1/attributions?since=10m[&engine=E][&limit=N]`` for ``kvpressure explain``.
 
     ``since`` is a duration (``600``, ``90s``, ``10m``, ``1h``; default ``10m``); ``limit``
@@ -168,16 +161,16 @@ def attribution_routes(
     """
     from kvpressure.agent.attribution.explain import parse_since
 
-    async def attributions(request: web.Request) -> web.Response:
+    async def attributions(request: Request) -> Response:
         q = request.query
         try:
             since_s = parse_since(q.get("since", "10m"))
             limit = int(q.get("limit", "100"))
         except ValueError as exc:
-            return web.json_response({"error": str(exc)}, status=400)
+            return json_response({"error": str(exc)}, status=400)
         if not 0 <= limit <= MAX_ATTRIBUTIONS_LIMIT:
             error = f"limit must be between 0 and {MAX_ATTRIBUTIONS_LIMIT}"
-            return web.json_response({"error": error}, status=400)
+            return json_response({"error": error}, status=400)
         now = time.time()
         requested = now - since_s
         engine = q.get("engine") or None
@@ -201,6 +194,6 @@ def attribution_routes(
                 doc["engines"] = sorted(set(doc["engines"]) | known)
             return json.dumps(doc)
 
-        return web.Response(text=await asyncio.to_thread(build), content_type="application/json")
+        return Response(text=await asyncio.to_thread(build), content_type="application/json")
 
-    return [web.get("/api/v1/attributions", attributions)]
+    return [get("/api/v1/attributions", attributions)]

@@ -94,7 +94,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         return 1
     logs.setup(cfg.log_level)
     from kvpressure.agent.daemon import Daemon
-    from kvpressure.agent.listener import raise_fd_limit
+    from kvpressure.agent.httpd import raise_fd_limit
 
     soft, hard = raise_fd_limit()
     # Threads decoding OTLP exports or building API answers hold the GIL for up to the

@@ -19,22 +19,20 @@ import signal
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from kvpressure.agent import logs, pipeline
-from kvpressure.agent.api import attribution_routes, make_app
+from kvpressure.agent.api import api_routes, attribution_routes
 from kvpressure.agent.attribution.store import AttributionStore
 from kvpressure.agent.config import Config, ConfigError, load, read_token
 from kvpressure.agent.discovery import Discovery, Probe, engine_pids
+from kvpressure.agent.httpd import HttpServer, install_accept_error_handler
 from kvpressure.agent.kube import EnginePods, PodNameJoin
-from kvpressure.agent.listener import ConnectionCap, install_accept_error_handler, start_site
 from kvpressure.agent.pipeline import Sampler
 from kvpressure.agent.requests.otlp_receiver import OtlpReceiver
 from kvpressure.agent.requests.proxies import ProxySet
-from kvpressure.agent.requests.proxy import RequestProxy
 from kvpressure.agent.requests.record import RequestStream
 from kvpressure.agent.scheduler import Once, Runners, SamplerRunner
 from kvpressure.agent.sdnotify import Notifier
@@ -43,6 +41,9 @@ from kvpressure.agent.timeline import Timeline
 from kvpressure.agent.webconfig import WebSecurity, load_web_config
 from kvpressure.exporters.otlp_slot import ExportSlot
 from kvpressure.exporters.prometheus import make_registry
+
+if TYPE_CHECKING:  # aiohttp is imported only when a proxy is configured (agent.httpd)
+    from kvpressure.agent.requests.proxy import RequestProxy
 
 __all__ = ["SHUTDOWN_GRACE_S", "Daemon", "SamplerRunner"]
 
@@ -99,10 +100,9 @@ class Daemon:
         self._runners = Runners(self.state)
         self._discovery = Discovery(probe)
         self._stopping: asyncio.Event | None = None
-        self._site_runner: web.AppRunner | None = None
         self._listen: str | None = None
         self._listen_addr: tuple[str, int] | None = None
-        self.api_cap: ConnectionCap | None = None
+        self.api_server: HttpServer | None = None
         self.bound_port: int | None = None
         self.notifier = Notifier()
         # Per-request data: one stream, fed by the OTLP receiver and the proxies, read by
@@ -280,8 +280,8 @@ class Daemon:
         if new.discovery != old.discovery or not new.discovery.enabled:
             self._discovery.found.clear()
         logs.set_level(new.log_level)
-        if self.api_cap is not None:
-            self.api_cap.max_connections = new.max_connections
+        if self.api_server is not None:
+            self.api_server.max_connections = new.max_connections
         pipeline.warn_starved(new)
         self._apply(new)
         otlp = new.otlp_receiver
@@ -322,20 +322,23 @@ class Daemon:
                 known_engines=self._engine_labels,
             ),
         ]
-        cap = ConnectionCap(f"api {listen_host}:{listen_port}", self.config.max_connections)
-        middlewares = [cap.middleware]
+        middlewares = []
         if self.web is not None and self.web.auth_required:
             middlewares.append(self.web.middleware)
-        app = make_app(self.state, self.registry, routes, middlewares=middlewares)
+        server = HttpServer(
+            f"api {listen_host}:{listen_port}",
+            api_routes(self.state, self.registry, routes),
+            middlewares,
+            max_connections=self.config.max_connections,
+        )
         ssl_context = self.web.ssl_context if self.web is not None else None
-        runner, self.bound_port = await start_site(app, listen_host, listen_port, cap, ssl_context)
-        old, self._site_runner = self._site_runner, runner
-        self.api_cap = cap
+        self.bound_port = await server.start(listen_host, listen_port, ssl_context)
+        old, self.api_server = self.api_server, server
         self._listen = f"{listen_host}:{listen_port}"
         self._listen_addr = (listen_host, listen_port)
         log.info("listening", extra={"kv": {"address": f"{listen_host}:{self.bound_port}"}})
         if old is not None:
-            await old.cleanup()
+            await old.close()
 
     # ---- main ----------------------------------------------------------------------
     async def run(self, ready: Callable[[], None] | None = None) -> None:
@@ -414,7 +417,7 @@ class Daemon:
         deadline = time.monotonic() + SHUTDOWN_GRACE_S
         for r in runners:
             await asyncio.to_thread(r.join, max(0.0, deadline - time.monotonic()))
-        if self._site_runner is not None:
-            await self._site_runner.cleanup()
+        if self.api_server is not None:
+            await self.api_server.close()
         self.notifier.close()
         log.info("stopped")

@@ -1,7 +1,8 @@
-"""Bounded aiohttp listeners: a connection cap, header and idle timeouts, quiet accept errors.
+"""Bounded aiohttp listeners for the request proxies: a connection cap, header and idle timeouts.
 
-Both of the agent's listeners (its HTTP API in :mod:`agent.daemon`, each request proxy in
-:mod:`agent.requests.proxy`) bind through :class:`BoundedSite` with a :class:`ConnectionCap`:
+Each request proxy (:mod:`agent.requests.proxy`, which streams through aiohttp's client and
+server) binds through :class:`BoundedSite` with a :class:`ConnectionCap`, bounded as the
+agent's own API listener (:mod:`agent.httpd`, h11) is, with the same defaults:
 
 * **Cap.** At most ``max_connections`` open connections per listener. At the cap a new
   connection makes room by closing an *idle* one (no request being handled: one that has
@@ -17,16 +18,15 @@ Both of the agent's listeners (its HTTP API in :mod:`agent.daemon`, each request
   ``header_timeout_s`` of being accepted is closed.
 * **Idle timeout.** aiohttp's ``keepalive_timeout``: a kept-alive connection with no new
   request head within ``idle_timeout_s`` is closed.
-* **Quiet logging.** Closed and refused connections, and the event loop's
-  ``socket.accept() out of system resource`` errors (EMFILE), are logged at most once per
+* **Quiet logging.** Closed and refused connections are logged at most once per
   :data:`LOG_PERIOD_S` per listener and kind, with the count since the last line
-  (:class:`RateLimitedLog`), instead of one line per event.
+  (:class:`RateLimitedLog`), instead of one line per event (the event loop's accept
+  errors: :func:`agent.httpd.install_accept_error_handler`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import ssl
 from collections import Counter
@@ -37,19 +37,10 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestHandler
 
+from kvpressure.agent.httpd import HEADER_TIMEOUT_S, IDLE_TIMEOUT_S, LOG_PERIOD_S, MAX_CONNECTIONS
 from kvpressure.agent.logs import RateLimitedLog
 
 log = logging.getLogger(__name__)
-
-MAX_CONNECTIONS: Final = 1000
-"""Default cap on one listener's open connections."""
-HEADER_TIMEOUT_S: Final = 10.0
-"""Seconds a new connection has to send its first complete request head."""
-IDLE_TIMEOUT_S: Final = 60.0
-"""Seconds a kept-alive connection may wait for its next request (longer than the common
-Prometheus scrape intervals, so a scraper's connection is reused)."""
-LOG_PERIOD_S: Final = 60.0
-"""At most one log line per period for each kind of rate-limited event."""
 
 _REFUSE: Final = (
     b"HTTP/1.1 503 Service Unavailable\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"
@@ -292,61 +283,3 @@ async def start_site(
         await runner.cleanup()
         raise
     return runner, site.port
-
-
-def install_accept_error_handler(loop: asyncio.AbstractEventLoop) -> None:
-    """Log the loop's accept errors (EMFILE, ENFILE, ENOBUFS) once per period with a count.
-
-    asyncio reports each failed ``accept()`` through the loop's exception handler, and a
-    listener out of file descriptors retries every second for as long as it lasts; this
-    handler turns those into one WARNING line per listener per :data:`LOG_PERIOD_S`. Every
-    other context goes to the handler that was installed before (or asyncio's default).
-    """
-    previous = loop.get_exception_handler()
-    limited = RateLimitedLog(log, LOG_PERIOD_S)
-
-    def handler(lp: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
-        message = str(context.get("message", ""))
-        if message.startswith("socket.accept() out of system resource"):
-            sock: Any = context.get("socket")
-            where = ""
-            with contextlib.suppress(AttributeError, OSError, IndexError, TypeError):
-                addr = sock.getsockname()
-                where = f"{addr[0]}:{addr[1]}"
-            exc = context.get("exception")
-            limited(
-                f"accept:{where}",
-                logging.WARNING,
-                "accept failed: out of file descriptors or buffers; retrying",
-                kv={"listener": where, "error": f"{type(exc).__name__}: {exc}" if exc else message},
-            )
-            return
-        if previous is not None:
-            previous(lp, context)
-        else:
-            lp.default_exception_handler(context)
-
-    loop.set_exception_handler(handler)
-
-
-def raise_fd_limit(target: int = 65536) -> tuple[int, int]:
-    """Raise the soft open-files limit towards the hard one (at most ``target``).
-
-    systemd starts services with a soft ``RLIMIT_NOFILE`` of 1,024 unless ``LimitNOFILE=``
-    says otherwise, and expects programs that need more (and do not use ``select()``; the
-    agent uses epoll through asyncio) to raise it themselves, as Go programs do. Each
-    listener holds up to its ``max_connections`` plus one listen backlog (128) during an
-    accept burst.
-
-    Returns:
-        The (soft, hard) limits now in force; unchanged where the platform refuses.
-    """
-    import resource
-
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    want = target if hard == resource.RLIM_INFINITY else min(hard, target)
-    if soft != resource.RLIM_INFINITY and soft < want:
-        with contextlib.suppress(OSError, ValueError):
-            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
-    limits = resource.getrlimit(resource.RLIMIT_NOFILE)
-    return int(limits[0]), int(limits[1])

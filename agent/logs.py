@@ -96,7 +96,13 @@ class RateLimitedLog:
         self._lock = threading.Lock()
 
     def __call__(
-        self, key: str, level: int, msg: str, *args: object, kv: dict[str, Any] | None = None
+        self,
+        key: str,
+        level: int,
+        msg: str,
+        *args: object,
+        kv: dict[str, Any] | None = None,
+        exc_info: bool = False,
     ) -> bool:
         """Count one event of ``key``; log ``msg % args`` if its period has passed.
 
@@ -107,6 +113,7 @@ class RateLimitedLog:
             *args: ``%`` arguments of ``msg``.
             kv: structured fields for the logfmt line; ``count`` (events since the last
                 line of this key, this one included) is added.
+            exc_info: add the exception being handled (its traceback) to the line.
 
         Returns:
             True when a line was logged now.
@@ -124,7 +131,9 @@ class RateLimitedLog:
                 oldest = next(iter(self._last))
                 del self._last[oldest]
                 self._pending.pop(oldest, None)
-        self._logger.log(level, msg, *args, extra={"kv": {**(kv or {}), "count": count}})
+        self._logger.log(
+            level, msg, *args, extra={"kv": {**(kv or {}), "count": count}}, exc_info=exc_info
+        )
         return True
 
 

@@ -33,15 +33,15 @@ import base64
 import binascii
 import hashlib
 import ssl
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Final, Literal
 
 import yaml
-from aiohttp import web
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from kvpressure.agent.config import ConfigError, read_text
+from kvpressure.agent.httpd import Handler, Request, Response
 
 _CACHE_MAX: Final = 256
 _VERSIONS = {
@@ -100,7 +100,7 @@ class WebSecurity:
             # ~0.4 MiB of resident memory an agent without basic auth does not need
             import bcrypt  # noqa: F401
         self._ok: dict[bytes, None] = {}
-        self.exempt: Callable[[web.Request], bool] = lambda _request: False
+        self.exempt: Callable[[Request], bool] = lambda _request: False
         """Requests the basic-auth middleware lets through because their handler checks
         its own credentials (the OTLP receiver with a bearer token)."""
 
@@ -109,17 +109,17 @@ class WebSecurity:
         """True when ``basic_auth_users`` lists at least one user."""
         return bool(self._users)
 
-    @web.middleware
-    async def middleware(
-        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-    ) -> web.StreamResponse:
-        """Answer 401 unless the request carries a listed user's password."""
+    async def middleware(self, request: Request, handler: Handler) -> Response:
+        """Answer 401 unless the request carries a listed user's password.
+
+        An :data:`agent.httpd.Middleware`.
+        """
         if (
             self._users
             and not self.exempt(request)
             and not await self._authorized(request.headers.get("Authorization", ""))
         ):
-            return web.Response(
+            return Response(
                 status=401,
                 text="Unauthorized\n",
                 headers={"WWW-Authenticate": 'Basic realm="kvpressure"'},

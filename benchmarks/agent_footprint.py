@@ -99,7 +99,7 @@ def measure(server: LlamaServer, interval: float, seconds: float, work: Path) ->
 
 
 IMPORT_GROUPS: list[tuple[str, list[str]]] = [
-    ("aiohttp (web server; loads ssl)", ["aiohttp.web"]),
+    ("asyncio (loads ssl) and h11: the agent's listener", ["asyncio", "h11"]),
     # pydantic's top-level import is lazy: its model machinery loads with the first model
     (
         "pydantic (with its model machinery)",
@@ -120,6 +120,7 @@ IMPORT_GROUPS: list[tuple[str, list[str]]] = [
         ],
     ),
     ("httpx: an engine over https, a redirect, an encoding", ["httpx"]),
+    ("with proxies: aiohttp (client and server)", ["kvpressure.agent.requests.proxy"]),
     (
         "on first OTLP export received: protobuf + OTLP messages",
         ["opentelemetry.proto.collector.trace.v1.trace_service_pb2", "google.protobuf.json_format"],

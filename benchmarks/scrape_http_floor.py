@@ -1,4 +1,4 @@
-"""Server CPU of one ``/metrics`` scrape at 20 Hz: the agent's app against the floors under it.
+"""Server CPU of one ``/metrics`` scrape at 20 Hz: the agent's listener against the floors under it.
 
 Each server runs in its own process, serving a body from cache (no rendering: the state
 does not change), and is polled at 20 Hz with Prometheus' headers (OpenMetrics, gzip) for
@@ -14,8 +14,10 @@ are several times what a burst of back-to-back requests measures. Servers:
   with the prepared body: what an HTTP server built on that library would cost;
 * ``aiohttp-lowlevel``: ``aiohttp.web.Server`` with a handler returning a prepared body and
   headers (aiohttp at its leanest);
-* ``agent``: the agent's app (:func:`agent.api.make_app` with the connection cap's
-  middleware, bound by :func:`agent.listener.start_site`) serving the default exposition.
+* ``agent``: the agent's listener (:class:`agent.httpd.HttpServer`, h11 with the connection
+  cap, timeouts and routing, serving :func:`agent.api.api_routes`) serving the default
+  exposition. Until issue 15's RSS cut it was an aiohttp application; ``aiohttp-lowlevel``
+  is the floor of that library.
 
 Usage::
 
@@ -48,8 +50,8 @@ def serve(kind: str) -> None:
     """Serve ``kind`` on a free loopback port; print the port; run until killed."""
     from aiohttp import web
 
-    from kvpressure.agent.api import make_app
-    from kvpressure.agent.listener import ConnectionCap, start_site
+    from kvpressure.agent.api import api_routes
+    from kvpressure.agent.httpd import HttpServer
     from kvpressure.agent.samplers.host import HostSampler
     from kvpressure.agent.samples import Batch
     from kvpressure.agent.state import AgentState, SamplerReport
@@ -121,9 +123,8 @@ def serve(kind: str) -> None:
             await site.start()
             port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         else:
-            cap = ConnectionCap("api")
-            app = make_app(state, make_registry(state), middlewares=[cap.middleware])
-            _, port = await start_site(app, "127.0.0.1", 0, cap)
+            server = HttpServer("api", api_routes(state, make_registry(state)))
+            port = await server.start("127.0.0.1", 0)
         print(port, flush=True)
         await asyncio.Event().wait()
 

@@ -2,7 +2,9 @@
 
 Real sockets on 127.0.0.1 only: an agent process with a low file-descriptor limit and a
 client holding more idle connections than the cap (or than the limit), and in-process
-aiohttp listeners for the busy/idle and header-timeout rules.
+listeners of both kinds for the busy/idle, header-timeout and malformed-request rules: the
+agent's own (``h11``, :class:`agent.httpd.HttpServer`) and the request proxies' (aiohttp,
+:class:`agent.listener.BoundedSite` with a :class:`agent.listener.ConnectionCap`).
 """
 
 from __future__ import annotations
@@ -15,20 +17,21 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 from aiohttp import web
 
-from kvpressure.agent.listener import (
-    BoundedSite,
-    ConnectionCap,
-    ServerLog,
-    install_accept_error_handler,
-)
+from kvpressure.agent import httpd
+from kvpressure.agent.httpd import HttpServer, install_accept_error_handler
+from kvpressure.agent.listener import BoundedSite, ConnectionCap, ServerLog
 from kvpressure.agent.logs import RateLimitedLog
+
+KINDS = ("h11", "aiohttp")
+"""The agent's own listener (agent.httpd) and the request proxies' (agent.listener)."""
 
 QUIET = (
     "samplers: {host: {enabled: false}, engines: {enabled: false}, gpu: {enabled: false}, "
@@ -161,35 +164,63 @@ def test_accept_errors_are_logged_once_per_period_with_a_count(tmp_path: Path) -
 # --- in-process: busy connections are kept, header timeout --------------------------------------
 
 
-async def _serve(cap: ConnectionCap, handler: web.Handler) -> tuple[web.AppRunner, int]:
+@contextlib.asynccontextmanager
+async def _listener(
+    kind: str, release: asyncio.Event | None = None, **bounds: Any
+) -> AsyncIterator[tuple[int, Any]]:
+    """Serve ``GET /`` ("ok") and ``GET /slow`` (waits for ``release``) on a ``kind`` listener
+    bounded by ``bounds``; yields the port and the object holding the counters."""
+    if kind == "h11":
+
+        async def answer(request: httpd.Request) -> httpd.Response:
+            if request.path == "/slow" and release is not None:
+                await release.wait()
+            return httpd.Response(text="ok")
+
+        server = HttpServer("test", [httpd.get("/", answer), httpd.get("/slow", answer)], **bounds)
+        port = await server.start("127.0.0.1", 0)
+        try:
+            yield port, server
+        finally:
+            await server.close()
+        return
+
+    async def handler(request: web.Request) -> web.Response:
+        if request.path == "/slow" and release is not None:
+            await release.wait()
+        return web.Response(text="ok")
+
+    cap = ConnectionCap("test", **bounds)
     app = web.Application(middlewares=[cap.middleware])
     app.router.add_get("/{tail:.*}", handler)
-    runner = web.AppRunner(app, access_log=None, handle_signals=False, keepalive_timeout=60)
+    runner = web.AppRunner(
+        app, access_log=None, handle_signals=False, keepalive_timeout=60, logger=ServerLog("test")
+    )
     await runner.setup()
     site = BoundedSite(runner, "127.0.0.1", 0, cap)
     await site.start()
-    return runner, site.port
+    try:
+        yield site.port, cap
+    finally:
+        await runner.cleanup()
 
 
-def test_busy_connections_are_never_closed_and_a_full_listener_answers_503() -> None:
+def _busy(counters: Any) -> int:
+    return counters.busy if isinstance(counters, HttpServer) else len(counters._busy)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_busy_connections_are_never_closed_and_a_full_listener_answers_503(kind: str) -> None:
     async def main() -> None:
         release = asyncio.Event()
-
-        async def handler(request: web.Request) -> web.Response:
-            if request.path == "/slow":
-                await release.wait()
-            return web.Response(text="ok")
-
-        cap = ConnectionCap("test", max_connections=3)
-        runner, port = await _serve(cap, handler)
-        try:
+        async with _listener(kind, release, max_connections=3) as (port, cap):
             async with httpx.AsyncClient(
                 base_url=f"http://127.0.0.1:{port}",
                 limits=httpx.Limits(max_connections=10),
                 timeout=5,
             ) as client:
                 slow = [asyncio.create_task(client.get("/slow")) for _ in range(3)]
-                while len(cap._busy) < 3:
+                while _busy(cap) < 3:
                     await asyncio.sleep(0.01)
                 reader, writer = await asyncio.open_connection("127.0.0.1", port)
                 answer = await asyncio.wait_for(reader.read(), 5)
@@ -198,20 +229,44 @@ def test_busy_connections_are_never_closed_and_a_full_listener_answers_503() -> 
                 assert cap.refused == 1 and cap.closed_idle == 0
                 release.set()
                 assert [(await t).text for t in slow] == ["ok"] * 3
-        finally:
-            await runner.cleanup()
 
     asyncio.run(main())
 
 
-def test_a_connection_without_a_request_head_is_closed_after_the_header_timeout() -> None:
+@pytest.mark.parametrize("kind", KINDS)
+def test_at_the_cap_an_idle_connection_that_never_sent_a_request_goes_first(kind: str) -> None:
     async def main() -> None:
-        async def handler(_: web.Request) -> web.Response:
-            return web.Response(text="ok")
+        async with _listener(kind, max_connections=3) as (port, cap):
+            # two connections that were served and are kept alive, then one that never sent
+            served = []
+            for _ in range(2):
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+                await reader.readuntil(b"ok")
+                served.append((reader, writer))
+            silent_r, silent_w = await asyncio.open_connection("127.0.0.1", port)
+            await asyncio.sleep(0.1)
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert (await asyncio.wait_for(reader.readuntil(b"ok"), 5)).startswith(b"HTTP/1.1 200")
+            assert await asyncio.wait_for(silent_r.read(), 5) == b""  # closed to make room
+            for r, w in served:  # the served ones stay
+                w.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+                assert (await asyncio.wait_for(r.readuntil(b"ok"), 5)).startswith(b"HTTP/1.1 200")
+                w.close()
+            assert cap.closed_idle == 1 and cap.refused == 0
+            writer.close()
+            silent_w.close()
 
-        cap = ConnectionCap("test", max_connections=10, header_timeout_s=0.3)
-        runner, port = await _serve(cap, handler)
-        try:
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_connection_without_a_request_head_is_closed_after_the_header_timeout(
+    kind: str,
+) -> None:
+    async def main() -> None:
+        async with _listener(kind, max_connections=10, header_timeout_s=0.3) as (port, cap):
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
             writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n")  # the head never ends
             await writer.drain()
@@ -226,8 +281,6 @@ def test_a_connection_without_a_request_head_is_closed_after_the_header_timeout(
             await asyncio.sleep(0.5)
             assert not reader.at_eof()
             writer.close()
-        finally:
-            await runner.cleanup()
 
     asyncio.run(main())
 
@@ -248,7 +301,7 @@ def test_accept_error_handler_passes_other_errors_on(caplog: pytest.LogCaptureFi
         loop.call_exception_handler({"message": "something else"})
         assert seen == ["something else"]
 
-    with caplog.at_level(logging.WARNING, logger="kvpressure.agent.listener"):
+    with caplog.at_level(logging.WARNING, logger="kvpressure.agent.httpd"):
         asyncio.run(main())
     assert [r.getMessage() for r in caplog.records].count(
         "accept failed: out of file descriptors or buffers; retrying"
@@ -271,39 +324,28 @@ def test_rate_limited_log_counts_between_lines(caplog: pytest.LogCaptureFixture)
     assert counts == [("A", 1), ("A", 10), ("B", 1), ("C", 1), ("D", 1), ("A", 1)]
 
 
+@pytest.mark.parametrize("kind", KINDS)
 def test_malformed_requests_are_one_warning_without_a_traceback(
-    caplog: pytest.LogCaptureFixture,
+    kind: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Issue 18, point 7: aiohttp logged an ERROR with a traceback per malformed request."""
 
     async def main() -> list[bytes]:
-        async def handler(_: web.Request) -> web.Response:
-            return web.Response(text="ok")
-
-        cap = ConnectionCap("test")
-        app = web.Application(middlewares=[cap.middleware])
-        app.router.add_get("/", handler)
-        runner = web.AppRunner(app, access_log=None, logger=ServerLog("test"))
-        await runner.setup()
-        site = BoundedSite(runner, "127.0.0.1", 0, cap)
-        await site.start()
         answers = []
-        try:
+        async with _listener(kind) as (port, _):
             for raw in [b"GET / HTTP/1.1\r\nHost: x\r\nBad Header\r\n\r\n"] * 20 + [
                 b"GET /\x00 HTTP/1.1\r\n\r\n"
             ] * 20:
-                reader, writer = await asyncio.open_connection("127.0.0.1", site.port)
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
                 writer.write(raw)
                 await writer.drain()
                 answers.append(await asyncio.wait_for(reader.read(), 5))
                 writer.close()
-        finally:
-            await runner.cleanup()
         return answers
 
     with caplog.at_level(logging.DEBUG):
         answers = asyncio.run(main())
-    assert all(a.startswith(b"HTTP/1.0 400 ") for a in answers)
+    assert all(a.split(b"\r\n")[0].split()[1] == b"400" for a in answers), answers[:2]
     assert "Traceback" not in caplog.text
     assert not [r for r in caplog.records if r.exc_info]
     warned = [r for r in caplog.records if r.getMessage() == "malformed HTTP requests refused"]

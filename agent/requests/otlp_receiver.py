@@ -66,9 +66,8 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, Final
 
-from aiohttp import web
-
 from kvpressure.agent import catalogue
+from kvpressure.agent.httpd import Request, Response, Route, json_response, post
 from kvpressure.agent.requests.metrics import MAX_ENGINES, LabelCap
 from kvpressure.agent.requests.record import RequestRecord, RequestStream
 from kvpressure.agent.samples import Batch, Sample
@@ -498,9 +497,9 @@ class OtlpReceiver:
         given = value.strip().encode("utf-8", "replace")
         return scheme.lower() == "bearer" and hmac.compare_digest(given, token)
 
-    def routes(self) -> list[web.RouteDef]:
-        """The aiohttp route of the receiver (``POST /v1/traces``)."""
-        return [web.post(PATH, self.handle)]
+    def routes(self) -> list[Route]:
+        """The receiver's route on the agent's listener (``POST /v1/traces``)."""
+        return [post(PATH, self.handle)]
 
     # ---- span → record ---------------------------------------------------------------
     def _engine(self, service: str | None, attrs: Mapping[str, Any], default: str) -> str:
@@ -681,16 +680,16 @@ class OtlpReceiver:
         return resp
 
     # ---- HTTP ------------------------------------------------------------------------
-    def _error(self, status: int, code: int, msg: str, media: str, result: str) -> web.Response:
+    def _error(self, status: int, code: int, msg: str, media: str, result: str) -> Response:
         self._c.add("requests", result)
         level = logging.WARNING if result not in self._warned else logging.DEBUG
         self._warned.add(result)
         log.log(level, "OTLP export refused", extra={"kv": {"status": status, "error": msg}})
         if media == JSON:
-            return web.json_response({"code": code, "message": msg}, status=status)
-        return web.Response(body=_status_pb(code, msg), status=status, content_type=PROTOBUF)
+            return json_response({"code": code, "message": msg}, status=status)
+        return Response(_status_pb(code, msg), status=status, content_type=PROTOBUF)
 
-    async def _read_body(self, request: web.Request) -> bytes | None:
+    async def _read_body(self, request: Request) -> bytes | None:
         """The raw body, or None when it is longer than ``max_body_bytes``."""
         limit = self.max_body_bytes
         if request.content_length is not None and request.content_length > limit:
@@ -706,10 +705,10 @@ class OtlpReceiver:
                 return None
             chunks.append(chunk)
 
-    async def handle(self, request: web.Request) -> web.Response:
+    async def handle(self, request: Request) -> Response:
         """``POST /v1/traces``: decode, turn spans into records, answer (see module doc)."""
         if not self.enabled:
-            raise web.HTTPNotFound(text="OTLP receiver disabled (otlp_receiver.enabled)\n")
+            return Response(text="OTLP receiver disabled (otlp_receiver.enabled)\n", status=404)
         media = _media_type(request.headers.get("Content-Type"))
         if not self.authorized(request.headers.get("Authorization", "")):
             unauthorized = self._error(
@@ -755,7 +754,7 @@ class OtlpReceiver:
         finally:
             self._queued -= 1
 
-    async def _receive(self, request: web.Request, media: str, encoding: str) -> web.Response:
+    async def _receive(self, request: Request, media: str, encoding: str) -> Response:
         too_large = f"body larger than otlp_receiver.max_body_bytes ({self.max_body_bytes})"
         try:
             async with asyncio.timeout(BODY_READ_TIMEOUT_S):
@@ -783,20 +782,20 @@ class OtlpReceiver:
         self._c.add("requests", "partial" if resp.partial_success.rejected_spans else "ok")
         if media == JSON:
             text = _proto().json_format.MessageToJson(resp, indent=None)
-            return web.Response(text=text, content_type=JSON)
-        return web.Response(body=resp.SerializeToString(), content_type=PROTOBUF)
+            return Response(text=text, content_type=JSON)
+        return Response(resp.SerializeToString(), content_type=PROTOBUF)
 
     def _decode_and_export(
         self, body: bytes, media: str, encoding: str
     ) -> ExportTraceServiceResponse:
-        # A body without the gzip magic was already inflated by the HTTP server (an app
-        # built with aiohttp's auto_decompress on); the read limit then bounded it already.
+        # A body without the gzip magic was already inflated by an HTTP server in front of
+        # the receiver; the read limit then bounded it already.
         if encoding == "gzip" and body[:2] == b"\x1f\x8b":
             body = _gunzip(body, self.max_body_bytes)
         return self.export(decode(body, media))
 
     # ---- self metrics ----------------------------------------------------------------
-    def checks_itself(self, request: web.Request) -> bool:
+    def checks_itself(self, request: Request) -> bool:
         """True for ``/v1/traces`` while a bearer token is set (web-config auth exemption)."""
         return request.path == PATH and self.bearer_token is not None
 

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import TYPE_CHECKING
 
 from kvpressure.agent.config import Config
-from kvpressure.agent.requests.proxy import RequestProxy
 from kvpressure.agent.requests.record import RequestStream
+
+if TYPE_CHECKING:
+    from kvpressure.agent.requests.proxy import RequestProxy
 
 log = logging.getLogger(__name__)
 
@@ -17,6 +20,9 @@ PROXY_DRAIN_S = 3600.0
 
 class ProxySet:
     """Start, reconfigure and retire :class:`RequestProxy` listeners (``proxies:``).
+
+    The proxy module (aiohttp's client and server) is imported when the first proxy starts:
+    an agent without proxies does not hold aiohttp in memory (issue 15).
 
     Args:
         stream: where every proxy submits its request records.
@@ -52,6 +58,8 @@ class ProxySet:
                             p.upstream, p.engine, p.connect_timeout_s, p.preconnect
                         )
                     continue
+                from kvpressure.agent.requests.proxy import RequestProxy
+
                 proxy = RequestProxy(
                     p.listen,
                     p.upstream,

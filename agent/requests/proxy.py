@@ -56,13 +56,8 @@ from aiohttp import ClientRequest, web
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
-from kvpressure.agent.listener import (
-    IDLE_TIMEOUT_S,
-    MAX_CONNECTIONS,
-    BoundedSite,
-    ConnectionCap,
-    ServerLog,
-)
+from kvpressure.agent.httpd import IDLE_TIMEOUT_S, MAX_CONNECTIONS
+from kvpressure.agent.listener import BoundedSite, ConnectionCap, ServerLog
 from kvpressure.agent.requests.record import MAX_ITL_GAPS, Outcome, RequestRecord, RequestStream
 
 if TYPE_CHECKING:

@@ -1,0 +1,765 @@
+"""The agent's own HTTP/1.1 listener: ``h11`` on an asyncio protocol, bounded.
+
+It serves the agent's API (``/metrics``, ``/healthz``, ``/api/v1/*``, the OTLP receiver's
+``POST /v1/traces``; :mod:`agent.daemon`). The request proxies (:mod:`agent.requests.proxy`)
+stream through aiohttp's client and server and keep them (:mod:`agent.listener`); aiohttp is
+imported only when ``proxies:`` lists one. The reason is memory: importing aiohttp is 12-15
+MiB of the agent's resident memory (its client, SSL contexts, ``attrs``, ``yarl``,
+``multidict``), against issue 15's 60 MiB for a whole 8-GPU node; ``h11`` (the HTTP/1.1
+state machine under httpx and uvicorn) and this module are under 1 MiB, and a scrape costs
+the same CPU (``benchmarks/scrape_http_floor.py``).
+
+What a client gets:
+
+* **Routes.** An exact path and method (:class:`Route`); ``HEAD`` is answered for every
+  ``GET`` (headers, no body); an unknown path is 404, a known path with another method 405
+  with ``Allow``. Middlewares (``async (request, handler) -> Response``) wrap every request,
+  the 404s and 405s included, first listed outermost.
+* **Keep-alive and pipelining** as HTTP/1.1 has them: one request at a time per
+  connection, the next one read after the answer; ``Connection: close`` (or HTTP/1.0
+  without keep-alive) closes after the answer. An answer given before its request's body
+  was read (a 401, a 413) closes the connection, so an unread body is never taken for the
+  next request.
+* **Request bodies** reach the handler as they arrive (:meth:`Body.read`), undecoded (no
+  gzip inflation: the OTLP receiver inflates under its own limit); at most
+  :data:`BODY_BUFFER_BYTES` wait unread, beyond which the socket is not read. A client
+  sending ``Expect: 100-continue`` is told to continue when the handler first reads.
+* **Bounds** (the same as :mod:`agent.listener`'s for the proxies):
+
+  - *Cap.* At most ``max_connections`` open connections. At the cap a new connection
+    makes room by closing an *idle* one (no request being answered): those that never sent
+    a request first, then the oldest, as nginx reuses keep-alive connections. A connection
+    whose request is being answered is never closed; when every one is, the new one gets
+    a 503 and is closed.
+  - *Header timeout.* A connection that has not sent a complete request head within
+    ``header_timeout_s`` of being accepted is closed.
+  - *Idle timeout.* A kept-alive connection with no new request head within
+    ``idle_timeout_s`` is closed.
+  - *Head size.* A request line plus headers over :data:`MAX_HEAD_BYTES` is refused (431).
+* **Errors.** A malformed request is answered 400 (or h11's more specific 4xx) and closed;
+  a handler's exception 500, logged with its traceback. Evictions, refusals, header
+  timeouts and malformed requests are logged at most once per :data:`LOG_PERIOD_S` per
+  listener and kind, with the count since the last line (:class:`agent.logs.RateLimitedLog`).
+
+:func:`install_accept_error_handler` does the same for the event loop's ``accept()``
+errors (EMFILE), and :func:`raise_fd_limit` raises the open-files limit at start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import ssl
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import Any, Final
+from urllib.parse import parse_qsl, unquote
+
+import h11
+
+from kvpressure.agent.logs import RateLimitedLog
+
+log = logging.getLogger(__name__)
+
+MAX_CONNECTIONS: Final = 1000
+"""Default cap on one listener's open connections."""
+HEADER_TIMEOUT_S: Final = 10.0
+"""Seconds a new connection has to send its first complete request head."""
+IDLE_TIMEOUT_S: Final = 60.0
+"""Seconds a kept-alive connection may wait for its next request (longer than the common
+Prometheus scrape intervals, so a scraper's connection is reused)."""
+LOG_PERIOD_S: Final = 60.0
+"""At most one log line per period for each kind of rate-limited event."""
+MAX_HEAD_BYTES: Final = 16384
+"""Longest request head (request line and headers), bytes; aiohttp's limit is 8,190 per
+line."""
+BODY_BUFFER_BYTES: Final = 1 << 20
+"""Request-body bytes received but not yet read by the handler above which the socket is
+not read (TCP flow control then slows the client)."""
+SHUTDOWN_GRACE_S: Final = 0.5
+"""Seconds :meth:`HttpServer.close` lets requests being answered finish."""
+
+_REFUSE: Final = (
+    b"HTTP/1.1 503 Service Unavailable\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"
+)
+
+
+# ---- requests and responses -------------------------------------------------------------------
+class Headers(Mapping[str, str]):
+    """A request's headers, looked up case-insensitively; a repeated name gives its first value.
+
+    Args:
+        fields: ``(name, value)`` pairs as h11 gives them (names lower-cased, latin-1).
+    """
+
+    __slots__ = ("_d",)
+
+    def __init__(self, fields: Iterable[tuple[bytes, bytes]]) -> None:
+        d: dict[str, str] = {}
+        for name, value in fields:
+            d.setdefault(name.decode("latin-1").lower(), value.decode("latin-1"))
+        self._d = d
+
+    def __getitem__(self, name: str) -> str:
+        return self._d[name.lower()]
+
+    def get(self, name: str, default: Any = None) -> Any:  # noqa: D102 - Mapping.get
+        return self._d.get(name.lower(), default)
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and name.lower() in self._d
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._d)
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+
+class Body:
+    """A request body as it arrives from the client (``request.content``).
+
+    :meth:`read` returns bytes as the connection receives them; the connection stops reading
+    its socket while more than :data:`BODY_BUFFER_BYTES` wait here.
+    """
+
+    __slots__ = ("_buf", "_conn", "_eof", "_error", "_waiter")
+
+    def __init__(self, conn: _Connection) -> None:
+        self._conn = conn
+        self._buf = bytearray()
+        self._eof = False
+        self._error: BaseException | None = None
+        self._waiter: asyncio.Future[None] | None = None
+
+    @property
+    def at_eof(self) -> bool:
+        """True once the whole body arrived and was read."""
+        return self._eof and not self._buf
+
+    @property
+    def buffered(self) -> int:
+        """Bytes received and not yet read."""
+        return len(self._buf)
+
+    async def read(self, n: int = -1) -> bytes:
+        """Up to ``n`` bytes of the body (all that is buffered for ``n < 0``); ``b""`` at its end.
+
+        Raises:
+            ConnectionResetError: the client went away before the body ended.
+        """
+        while not self._buf and not self._eof:
+            if self._error is not None:
+                raise self._error
+            self._conn.want_body()
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        if n < 0 or n >= len(self._buf):
+            out = bytes(self._buf)
+            self._buf.clear()
+        else:
+            out = bytes(self._buf[:n])
+            del self._buf[:n]
+        self._conn.want_body()
+        return out
+
+    def feed(self, data: bytes) -> None:
+        """More of the body arrived (the connection calls this)."""
+        self._buf += data
+        self._wake()
+
+    def end(self) -> None:
+        """The body is complete."""
+        self._eof = True
+        self._wake()
+
+    def fail(self, exc: BaseException) -> None:
+        """The body will not complete: the next :meth:`read` that would wait raises ``exc``."""
+        if not self._eof:
+            self._error = exc
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+
+class Request:
+    """One request as a handler sees it.
+
+    Attributes:
+        method: ``GET``, ``POST``, ... (upper case, as sent).
+        path: the target's path, percent-decoded (``/api/v1/snapshot``).
+        query: the query string's parameters; a repeated one gives its first value.
+        headers: :class:`Headers`.
+        content: the body, :class:`Body` (empty for a request without one).
+        content_length: the ``Content-Length`` header as an int, else None (absent,
+            malformed, or a chunked body).
+        http_version: ``"1.1"`` or ``"1.0"``.
+    """
+
+    __slots__ = ("content", "content_length", "headers", "http_version", "method", "path", "query")
+
+    def __init__(self, event: h11.Request, body: Body) -> None:
+        self.method = event.method.decode("ascii", "replace")
+        target = event.target.decode("latin-1")
+        if not target.startswith("/"):  # absolute form: http://host/path?q
+            _, _, rest = target.partition("://")
+            target = "/" + rest.partition("/")[2] if rest else target
+        raw_path, _, qs = target.partition("?")
+        self.path = unquote(raw_path.partition("#")[0])
+        query: dict[str, str] = {}
+        for k, v in parse_qsl(qs, keep_blank_values=True):
+            query.setdefault(k, v)
+        self.query: Mapping[str, str] = query
+        self.headers = Headers(event.headers)
+        length = self.headers.get("content-length")
+        self.content_length: int | None = int(length) if length and length.isdigit() else None
+        self.http_version = event.http_version.decode("ascii", "replace")
+        self.content = body
+
+
+class Response:
+    """An answer: status, headers and a body (sent with ``Content-Length``).
+
+    Args:
+        body: the body bytes.
+        status: the status code.
+        text: the body as text, encoded UTF-8 (instead of ``body``); ``content_type``
+            defaults to ``text/plain``.
+        content_type: the ``Content-Type``; ``; charset=utf-8`` is added for ``text``.
+        headers: more headers; :attr:`headers` can be changed until the handler returns.
+    """
+
+    __slots__ = ("body", "headers", "status")
+
+    def __init__(
+        self,
+        body: bytes = b"",
+        status: int = 200,
+        *,
+        text: str | None = None,
+        content_type: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        self.status = status
+        self.headers: dict[str, str] = dict(headers) if headers else {}
+        if text is not None:
+            body = text.encode()
+            media = content_type or "text/plain"
+            self.headers.setdefault("Content-Type", f"{media}; charset=utf-8")
+        elif content_type is not None:
+            self.headers.setdefault("Content-Type", content_type)
+        self.body = body
+
+
+def json_response(data: Any, status: int = 200) -> Response:
+    """A JSON answer (``application/json; charset=utf-8``)."""
+    return Response(text=json.dumps(data), status=status, content_type="application/json")
+
+
+Handler = Callable[[Request], Awaitable[Response]]
+"""``async (request) -> Response``."""
+Middleware = Callable[[Request, Handler], Awaitable[Response]]
+"""``async (request, handler) -> Response``: answers itself or awaits ``handler(request)``."""
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """``method`` requests for exactly ``path`` go to ``handler``."""
+
+    method: str
+    path: str
+    handler: Handler
+
+
+def get(path: str, handler: Handler) -> Route:
+    """A ``GET`` (and ``HEAD``) route."""
+    return Route("GET", path, handler)
+
+
+def post(path: str, handler: Handler) -> Route:
+    """A ``POST`` route."""
+    return Route("POST", path, handler)
+
+
+def _status_line(status: int) -> str:
+    try:
+        return HTTPStatus(status).phrase
+    except ValueError:
+        return ""
+
+
+# ---- the connection ---------------------------------------------------------------------------
+class _Connection(asyncio.Protocol):
+    """One client connection: h11's state machine, one request answered at a time."""
+
+    def __init__(self, server: HttpServer) -> None:
+        self.server = server
+        self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
+        self.transport: asyncio.Transport | None = None
+        self.busy = False
+        """A request is being answered (the cap never closes this connection then)."""
+        self.served = False
+        """A complete request head arrived at least once."""
+        self._body: Body | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._paused = False
+        self._closed = False
+
+    # asyncio.Protocol
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        if not self.server.admit(self):
+            self._closed = True
+            transport.write(_REFUSE)
+            transport.close()
+            return
+        self._arm(self.server.header_timeout_s, self._header_deadline)
+
+    def data_received(self, data: bytes) -> None:
+        if self._closed:
+            return
+        try:
+            self.h11.receive_data(data)
+        except RuntimeError:  # data after the peer's EOF: nothing to do with it
+            return
+        self._drain()
+
+    def eof_received(self) -> bool:
+        with contextlib.suppress(RuntimeError):
+            self.h11.receive_data(b"")
+        self._drain()
+        # a half-closed client still gets the answer being made
+        return self.busy
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._closed = True
+        self._disarm()
+        self.server.forget(self)
+        if self._body is not None:
+            self._body.fail(ConnectionResetError("client went away"))
+
+    def pause_writing(self) -> None:  # pragma: no cover - answers are small
+        pass
+
+    # reading
+    def _drain(self) -> None:
+        """Hand the events h11 parsed so far to the request being answered or a new one."""
+        while not self._closed:
+            try:
+                event = self.h11.next_event()
+            except h11.RemoteProtocolError as exc:
+                self._malformed(exc)
+                return
+            if event is h11.NEED_DATA:
+                return
+            if event is h11.PAUSED:
+                # a pipelined request waits in h11's buffer until this one is answered:
+                # stop reading so that the buffer cannot grow meanwhile
+                if not self._paused and self.transport is not None:
+                    self._paused = True
+                    self.transport.pause_reading()
+                return
+            if isinstance(event, h11.Request):
+                self._start(event)
+            elif isinstance(event, h11.Data):
+                if self._body is not None:
+                    self._body.feed(bytes(event.data))
+                    if self._body.buffered > BODY_BUFFER_BYTES and not self._paused:
+                        self._paused = True
+                        assert self.transport is not None
+                        self.transport.pause_reading()
+            elif isinstance(event, h11.EndOfMessage):
+                if self._body is not None:
+                    self._body.end()
+            elif isinstance(event, h11.ConnectionClosed):
+                if not self.busy:
+                    self.close()
+                return
+
+    def want_body(self) -> None:
+        """The handler reads the body: ask for it (100-continue) and read the socket again."""
+        if self._closed or self.transport is None:
+            return
+        if self.h11.they_are_waiting_for_100_continue:
+            with contextlib.suppress(h11.LocalProtocolError):
+                self.transport.write(
+                    self.h11.send(h11.InformationalResponse(status_code=100, headers=[]))
+                )
+        body = self._body
+        if (
+            self._paused
+            and self.h11.their_state is h11.SEND_BODY
+            and (body is None or body.buffered <= BODY_BUFFER_BYTES)
+        ):
+            self._paused = False
+            self.transport.resume_reading()
+
+    def _start(self, event: h11.Request) -> None:
+        self._disarm()
+        # h11 bounds a head that arrives in pieces; one that arrives whole is bounded here
+        size = len(event.target) + sum(len(n) + len(v) + 4 for n, v in event.headers.raw_items())
+        if size > MAX_HEAD_BYTES:
+            self._malformed(h11.RemoteProtocolError("request head too long", error_status_hint=431))
+            return
+        self.served = True
+        self.busy = True
+        body = self._body = Body(self)
+        request = Request(event, body)
+        self._task = asyncio.get_running_loop().create_task(self._answer(request))
+
+    # answering
+    async def _answer(self, request: Request) -> None:
+        try:
+            response = await self.server.dispatch(request)
+        except Exception:  # noqa: BLE001 - a handler's bug costs its own request only
+            self.server.log_limited(
+                "handler-error",
+                logging.ERROR,
+                "request handler failed",
+                kv={"path": request.path[:200], "method": request.method[:16]},
+                exc_info=True,
+            )
+            response = Response(text="Internal Server Error\n", status=500)
+        if not self._closed:
+            self._send(response, head=request.method == "HEAD")
+        self._task = None
+        self._body = None
+        self.busy = False
+        if self._closed:
+            return
+        conn = self.h11
+        if conn.our_state is h11.DONE and conn.their_state is h11.DONE:
+            conn.start_next_cycle()
+            self._arm(self.server.idle_timeout_s, self.close)
+            if self._paused:
+                self._paused = False
+                assert self.transport is not None
+                self.transport.resume_reading()
+            self._drain()  # a pipelined request already received
+        else:
+            self.close()
+
+    def _send(self, response: Response, head: bool) -> None:
+        fields = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in response.headers.items()]
+        body = response.body
+        fields.append((b"content-length", str(len(body)).encode()))
+        if self.h11.their_state is not h11.DONE:
+            # answered before the body was read: the rest of it must not become a request
+            fields.append((b"connection", b"close"))
+        assert self.transport is not None
+        try:
+            out = self.h11.send(
+                h11.Response(
+                    status_code=response.status,
+                    headers=fields,
+                    reason=_status_line(response.status).encode(),
+                )
+            )
+            if body and not head:
+                out += self.h11.send(h11.Data(data=body))
+            out += self.h11.send(h11.EndOfMessage())
+        except h11.LocalProtocolError as exc:
+            self.server.log_limited(
+                "bad-response", logging.ERROR, "cannot send a response", kv={"error": str(exc)}
+            )
+            self.close()
+            return
+        self.transport.write(out)
+
+    def _malformed(self, exc: h11.RemoteProtocolError) -> None:
+        status = exc.error_status_hint if 400 <= exc.error_status_hint < 500 else 400
+        self.server.log_limited(
+            "malformed",
+            logging.WARNING,
+            "malformed HTTP requests refused",
+            kv={"listener": self.server.name, "status": status, "error": str(exc)[:120]},
+        )
+        if self.transport is not None and not self.busy:
+            phrase = _status_line(status)
+            self.transport.write(
+                f"HTTP/1.1 {status} {phrase}\r\nConnection: close\r\n"
+                "Content-Length: 0\r\n\r\n".encode("latin-1")
+            )
+        if self._body is not None:
+            self._body.fail(ConnectionResetError("malformed request body"))
+        self.close()
+
+    # timers and closing
+    def _arm(self, delay: float, callback: Callable[[], None]) -> None:
+        self._disarm()
+        self._timer = asyncio.get_running_loop().call_later(delay, callback)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _header_deadline(self) -> None:
+        self._timer = None
+        if self.served or self._closed:
+            return
+        self.server.header_timeouts += 1
+        self.server.log_limited(
+            "header-timeout",
+            logging.INFO,
+            "closed connections that sent no request head in time",
+            kv={"listener": self.server.name, "header_timeout_s": self.server.header_timeout_s},
+        )
+        self.close()
+
+    def close(self) -> None:
+        """Close the connection (what was written is still sent)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._disarm()
+        if self.transport is not None:
+            self.transport.close()
+
+    def abort(self) -> None:
+        """Close now, dropping what was not sent, and stop the request being answered."""
+        self.close()
+        if self.transport is not None:
+            self.transport.abort()
+        if self._task is not None:
+            self._task.cancel()
+
+
+# ---- the server -------------------------------------------------------------------------------
+class HttpServer:
+    """One bounded listener serving ``routes`` (see the module docstring).
+
+    Args:
+        name: the listener, for log lines (e.g. ``"api 127.0.0.1:9470"``).
+        routes: what it serves.
+        middlewares: wrap every request, first listed outermost.
+        max_connections: open connections allowed at once (can be changed while serving).
+        header_timeout_s: seconds a new connection has to send its first request head.
+        idle_timeout_s: seconds a kept-alive connection may wait for its next request.
+
+    Attributes:
+        closed_idle: idle connections closed to make room, since start.
+        refused: connections refused (503) because every open one was busy, since start.
+        header_timeouts: connections closed for not sending a request head in time.
+        port: the bound port once :meth:`start` returned.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        routes: Iterable[Route],
+        middlewares: Sequence[Middleware] = (),
+        max_connections: int = MAX_CONNECTIONS,
+        header_timeout_s: float = HEADER_TIMEOUT_S,
+        idle_timeout_s: float = IDLE_TIMEOUT_S,
+    ) -> None:
+        self.name = name
+        self.max_connections = max_connections
+        self.header_timeout_s = header_timeout_s
+        self.idle_timeout_s = idle_timeout_s
+        self.closed_idle = 0
+        self.refused = 0
+        self.header_timeouts = 0
+        self.port: int | None = None
+        self._routes: dict[str, dict[str, Handler]] = {}
+        for r in routes:
+            self._routes.setdefault(r.path, {})[r.method.upper()] = r.handler
+        self._middlewares = tuple(middlewares)
+        self._conns: dict[_Connection, None] = {}  # open connections, in accept order
+        self._server: asyncio.Server | None = None
+        self.log_limited = RateLimitedLog(log, LOG_PERIOD_S)
+
+    @property
+    def connections(self) -> int:
+        """Connections open now."""
+        return len(self._conns)
+
+    @property
+    def busy(self) -> int:
+        """Connections with a request being answered now."""
+        return sum(1 for c in self._conns if c.busy)
+
+    async def start(self, host: str, port: int, ssl_context: ssl.SSLContext | None = None) -> int:
+        """Bind ``host:port`` (0: any free port) and serve; returns the bound port.
+
+        Raises:
+            OSError: the address cannot be bound (nothing is left listening).
+        """
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(
+            lambda: _Connection(self),
+            host,
+            port,
+            ssl=ssl_context,
+            ssl_handshake_timeout=self.header_timeout_s if ssl_context is not None else None,
+            reuse_address=True,
+            backlog=128,
+        )
+        sockets = self._server.sockets or ()
+        self.port = int(sockets[0].getsockname()[1]) if sockets else port
+        return self.port
+
+    async def close(self) -> None:
+        """Stop listening; idle connections close now, busy ones within :data:`SHUTDOWN_GRACE_S`."""
+        if self._server is not None:
+            self._server.close()
+        for conn in list(self._conns):
+            if not conn.busy:
+                conn.close()
+        deadline = asyncio.get_running_loop().time() + SHUTDOWN_GRACE_S
+        while any(c.busy for c in self._conns) and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.02)
+        for conn in list(self._conns):
+            conn.abort()
+        if self._server is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._server.wait_closed(), SHUTDOWN_GRACE_S)
+        self._conns.clear()
+
+    # the cap
+    def admit(self, conn: _Connection) -> bool:
+        """Take ``conn`` in, making room by closing an idle one at the cap; False: refuse it."""
+        if len(self._conns) >= self.max_connections and not self._make_room():
+            self.refused += 1
+            self.log_limited(
+                "refused",
+                logging.WARNING,
+                "connection refused: every connection is busy",
+                kv={"listener": self.name, "max_connections": self.max_connections},
+            )
+            return False
+        self._conns[conn] = None
+        return True
+
+    def forget(self, conn: _Connection) -> None:
+        """``conn`` closed."""
+        self._conns.pop(conn, None)
+
+    def _make_room(self) -> bool:
+        victim = None
+        for c in self._conns:  # oldest first
+            if not c.busy:
+                if not c.served:
+                    victim = c
+                    break
+                if victim is None:
+                    victim = c
+        if victim is None:
+            return False
+        self._conns.pop(victim, None)
+        victim.close()
+        self.closed_idle += 1
+        self.log_limited(
+            "evicted",
+            logging.WARNING,
+            "connection cap reached: closed idle connections to admit new ones",
+            kv={"listener": self.name, "max_connections": self.max_connections},
+        )
+        return True
+
+    # routing
+    async def dispatch(self, request: Request) -> Response:
+        """Answer ``request``: its route's handler inside the middlewares (404, 405 if none)."""
+        methods = self._routes.get(request.path)
+        handler: Handler
+        if methods is None:
+            handler = _not_found
+        else:
+            found = methods.get(request.method)
+            if found is None and request.method == "HEAD":
+                found = methods.get("GET")
+            handler = found if found is not None else _not_allowed(methods)
+        for mw in reversed(self._middlewares):
+            handler = _wrapped(mw, handler)
+        return await handler(request)
+
+
+def _wrapped(mw: Middleware, inner: Handler) -> Handler:
+    async def call(request: Request) -> Response:
+        return await mw(request, inner)
+
+    return call
+
+
+async def _not_found(_: Request) -> Response:
+    return Response(text="404: Not Found\n", status=404)
+
+
+def _not_allowed(methods: Mapping[str, Handler]) -> Handler:
+    allowed = sorted({*methods, *(("HEAD",) if "GET" in methods else ())})
+
+    async def answer(_: Request) -> Response:
+        return Response(
+            text="405: Method Not Allowed\n", status=405, headers={"Allow": ", ".join(allowed)}
+        )
+
+    return answer
+
+
+# ---- the event loop and the process -----------------------------------------------------------
+def install_accept_error_handler(loop: asyncio.AbstractEventLoop) -> None:
+    """Log the loop's accept errors (EMFILE, ENFILE, ENOBUFS) once per period with a count.
+
+    asyncio reports each failed ``accept()`` through the loop's exception handler, and a
+    listener out of file descriptors retries every second for as long as it lasts; this
+    handler turns those into one WARNING line per listener per :data:`LOG_PERIOD_S`. Every
+    other context goes to the handler that was installed before (or asyncio's default).
+    """
+    previous = loop.get_exception_handler()
+    limited = RateLimitedLog(log, LOG_PERIOD_S)
+
+    def handler(lp: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        message = str(context.get("message", ""))
+        if message.startswith("socket.accept() out of system resource"):
+            sock: Any = context.get("socket")
+            where = ""
+            with contextlib.suppress(AttributeError, OSError, IndexError, TypeError):
+                addr = sock.getsockname()
+                where = f"{addr[0]}:{addr[1]}"
+            exc = context.get("exception")
+            limited(
+                f"accept:{where}",
+                logging.WARNING,
+                "accept failed: out of file descriptors or buffers; retrying",
+                kv={"listener": where, "error": f"{type(exc).__name__}: {exc}" if exc else message},
+            )
+            return
+        if previous is not None:
+            previous(lp, context)
+        else:
+            lp.default_exception_handler(context)
+
+    loop.set_exception_handler(handler)
+
+
+def raise_fd_limit(target: int = 65536) -> tuple[int, int]:
+    """Raise the soft open-files limit towards the hard one (at most ``target``).
+
+    systemd starts services with a soft ``RLIMIT_NOFILE`` of 1,024 unless ``LimitNOFILE=``
+    says otherwise, and expects programs that need more (and do not use ``select()``; the
+    agent uses epoll through asyncio) to raise it themselves, as Go programs do. Each
+    listener holds up to its ``max_connections`` plus one listen backlog (128) during an
+    accept burst.
+
+    Returns:
+        The (soft, hard) limits now in force; unchanged where the platform refuses.
+    """
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = target if hard == resource.RLIM_INFINITY else min(hard, target)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        with contextlib.suppress(OSError, ValueError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    limits = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return int(limits[0]), int(limits[1])
