@@ -102,7 +102,7 @@ def api_routes(
     # one header set per (format, gzip): at most a few, built on first use
     response_headers: dict[tuple[str, bool], dict[str, str]] = {}
 
-    async def metrics(request: Request) -> Response:
+    def metrics(request: Request) -> Response:
         asked = request.headers
         body, content_type, zipped = cache.get(asked.get("Accept"), asked.get("Accept-Encoding"))
         out = response_headers.get((content_type, zipped))
@@ -114,10 +114,10 @@ def api_routes(
                 response_headers[(content_type, zipped)] = out
         return Response(body, headers=out)
 
-    async def healthz(_: Request) -> Response:
+    def healthz(_: Request) -> Response:
         return json_response({"status": "ok", "uptime_s": time.time() - state.started})
 
-    async def snap(_: Request) -> Response:
+    def snap(_: Request) -> Response:
         return json_response(snapshot(state))
 
     return [

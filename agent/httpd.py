@@ -14,7 +14,9 @@ What a client gets:
 * **Routes.** An exact path and method (:class:`Route`); ``HEAD`` is answered for every
   ``GET`` (headers, no body); an unknown path is 404, a known path with another method 405
   with ``Allow``. Middlewares (``async (request, handler) -> Response``) wrap every request,
-  the 404s and 405s included, first listed outermost.
+  the 404s and 405s included, first listed outermost. A handler that is a plain function
+  answers in the event-loop iteration that read its request; a coroutine function runs on
+  a task of its own.
 * **Keep-alive and pipelining** as HTTP/1.1 has them: one request at a time per
   connection, the next one read after the answer; ``Connection: close`` (or HTTP/1.0
   without keep-alive) closes after the answer. An answer given before its request's body
@@ -82,6 +84,8 @@ not read (TCP flow control then slows the client)."""
 SHUTDOWN_GRACE_S: Final = 0.5
 """Seconds :meth:`HttpServer.close` lets requests being answered finish."""
 
+_UNANSWERED: Final = (h11.IDLE, h11.SEND_RESPONSE)
+"""Our h11 states in which no response has been started."""
 _REFUSE: Final = (
     b"HTTP/1.1 503 Service Unavailable\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"
 )
@@ -91,32 +95,39 @@ _REFUSE: Final = (
 class Headers(Mapping[str, str]):
     """A request's headers, looked up case-insensitively; a repeated name gives its first value.
 
+    Looked up in h11's list as asked (a request has a few headers and a handler reads one
+    or two): nothing is decoded for the headers no one reads.
+
     Args:
         fields: ``(name, value)`` pairs as h11 gives them (names lower-cased, latin-1).
     """
 
-    __slots__ = ("_d",)
+    __slots__ = ("_fields",)
 
-    def __init__(self, fields: Iterable[tuple[bytes, bytes]]) -> None:
-        d: dict[str, str] = {}
-        for name, value in fields:
-            d.setdefault(name.decode("latin-1").lower(), value.decode("latin-1"))
-        self._d = d
+    def __init__(self, fields: Sequence[tuple[bytes, bytes]]) -> None:
+        self._fields = fields
 
     def __getitem__(self, name: str) -> str:
-        return self._d[name.lower()]
+        key = name.lower().encode("latin-1", "replace")
+        for k, v in self._fields:
+            if k == key:
+                return v.decode("latin-1")
+        raise KeyError(name)
 
     def get(self, name: str, default: Any = None) -> Any:  # noqa: D102 - Mapping.get
-        return self._d.get(name.lower(), default)
+        try:
+            return self[name]
+        except KeyError:
+            return default
 
     def __contains__(self, name: object) -> bool:
-        return isinstance(name, str) and name.lower() in self._d
+        return isinstance(name, str) and self.get(name) is not None
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._d)
+        return iter(dict.fromkeys(k.decode("latin-1") for k, _ in self._fields))
 
     def __len__(self) -> int:
-        return len(self._d)
+        return len({k for k, _ in self._fields})
 
 
 class Body:
@@ -204,7 +215,7 @@ class Request:
         http_version: ``"1.1"`` or ``"1.0"``.
     """
 
-    __slots__ = ("content", "content_length", "headers", "http_version", "method", "path", "query")
+    __slots__ = ("_qs", "_query", "content", "headers", "http_version", "method", "path")
 
     def __init__(self, event: h11.Request, body: Body) -> None:
         self.method = event.method.decode("ascii", "replace")
@@ -212,17 +223,29 @@ class Request:
         if not target.startswith("/"):  # absolute form: http://host/path?q
             _, _, rest = target.partition("://")
             target = "/" + rest.partition("/")[2] if rest else target
-        raw_path, _, qs = target.partition("?")
-        self.path = unquote(raw_path.partition("#")[0])
-        query: dict[str, str] = {}
-        for k, v in parse_qsl(qs, keep_blank_values=True):
-            query.setdefault(k, v)
-        self.query: Mapping[str, str] = query
+        raw_path, _, self._qs = target.partition("?")
+        raw_path = raw_path.partition("#")[0]
+        self.path = unquote(raw_path) if "%" in raw_path else raw_path
+        self._query: Mapping[str, str] | None = None
         self.headers = Headers(event.headers)
-        length = self.headers.get("content-length")
-        self.content_length: int | None = int(length) if length and length.isdigit() else None
         self.http_version = event.http_version.decode("ascii", "replace")
         self.content = body
+
+    @property
+    def query(self) -> Mapping[str, str]:
+        """The query string's parameters (parsed when first read)."""
+        if self._query is None:
+            query: dict[str, str] = {}
+            for k, v in parse_qsl(self._qs, keep_blank_values=True):
+                query.setdefault(k, v)
+            self._query = query
+        return self._query
+
+    @property
+    def content_length(self) -> int | None:
+        """``Content-Length`` as an int; None when absent, malformed or chunked."""
+        length = self.headers.get("content-length")
+        return int(length) if length and length.isdigit() else None
 
 
 class Response:
@@ -264,10 +287,21 @@ def json_response(data: Any, status: int = 200) -> Response:
     return Response(text=json.dumps(data), status=status, content_type="application/json")
 
 
-Handler = Callable[[Request], Awaitable[Response]]
-"""``async (request) -> Response``."""
+Handler = Callable[[Request], "Response | Awaitable[Response]"]
+"""``(request) -> Response``, or ``async``. A plain function answers in the event-loop
+iteration that read the request (``/metrics``, ``/healthz``: no task, no second loop
+iteration); a coroutine function's answer is awaited on a task of its own."""
 Middleware = Callable[[Request, Handler], Awaitable[Response]]
-"""``async (request, handler) -> Response``: answers itself or awaits ``handler(request)``."""
+"""``async (request, handler) -> Response``: answers itself or calls ``handler(request)``
+(:func:`answer` awaits what a handler returns, whichever kind it is)."""
+
+
+async def answer(handler: Handler, request: Request) -> Response:
+    """``handler``'s response to ``request``, awaited if the handler is a coroutine function."""
+    result = handler(request)
+    if isinstance(result, Response):
+        return result
+    return await result
 
 
 @dataclass(frozen=True, slots=True)
@@ -313,6 +347,9 @@ class _Connection(asyncio.Protocol):
         self._timer: asyncio.TimerHandle | None = None
         self._paused = False
         self._closed = False
+        self._draining = False
+        self._pending: h11.Request | None = None
+        """A request whose head was read, dispatched at its end or when its body is due."""
 
     # asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -353,11 +390,27 @@ class _Connection(asyncio.Protocol):
 
     # reading
     def _drain(self) -> None:
-        """Hand the events h11 parsed so far to the request being answered or a new one."""
+        """Hand the events h11 parsed so far to the request being answered or a new one.
+
+        A request is dispatched once h11 has read its end (a request without a body: the
+        event right after its head), or when its body is still to come (the handler then
+        reads it as it arrives), so that an answer made at once finds the request complete.
+        """
+        self._draining = True
+        try:
+            self._drain_events()
+        finally:
+            self._draining = False
+            if self._pending is not None and not self._closed:
+                event, self._pending = self._pending, None
+                self._start(event)
+
+    def _drain_events(self) -> None:
         while not self._closed:
             try:
                 event = self.h11.next_event()
             except h11.RemoteProtocolError as exc:
+                self._pending = None
                 self._malformed(exc)
                 return
             if event is h11.NEED_DATA:
@@ -370,7 +423,11 @@ class _Connection(asyncio.Protocol):
                     self.transport.pause_reading()
                 return
             if isinstance(event, h11.Request):
-                self._start(event)
+                self._disarm()
+                self.served = True
+                self.busy = True
+                self._body = Body(self)
+                self._pending = event
             elif isinstance(event, h11.Data):
                 if self._body is not None:
                     self._body.feed(bytes(event.data))
@@ -381,6 +438,9 @@ class _Connection(asyncio.Protocol):
             elif isinstance(event, h11.EndOfMessage):
                 if self._body is not None:
                     self._body.end()
+                if self._pending is not None:
+                    event, self._pending = self._pending, None
+                    self._start(event)
             elif isinstance(event, h11.ConnectionClosed):
                 if not self.busy:
                     self.close()
@@ -405,34 +465,45 @@ class _Connection(asyncio.Protocol):
             self.transport.resume_reading()
 
     def _start(self, event: h11.Request) -> None:
-        self._disarm()
         # h11 bounds a head that arrives in pieces; one that arrives whole is bounded here
         size = len(event.target) + sum(len(n) + len(v) + 4 for n, v in event.headers.raw_items())
         if size > MAX_HEAD_BYTES:
             self._malformed(h11.RemoteProtocolError("request head too long", error_status_hint=431))
             return
-        self.served = True
-        self.busy = True
-        body = self._body = Body(self)
-        request = Request(event, body)
-        self._task = asyncio.get_running_loop().create_task(self._answer(request))
+        assert self._body is not None
+        request = Request(event, self._body)
+        try:
+            result = self.server.dispatch(request)
+        except Exception:  # noqa: BLE001 - a handler's bug costs its own request only
+            result = self._failed(request)
+        if isinstance(result, Response):
+            self._done(request, result)  # answered now: the common case (a scrape)
+        else:
+            self._task = asyncio.get_running_loop().create_task(self._await(request, result))
 
     # answering
-    async def _answer(self, request: Request) -> None:
+    async def _await(self, request: Request, pending: Awaitable[Response]) -> None:
         try:
-            response = await self.server.dispatch(request)
+            response = await pending
         except Exception:  # noqa: BLE001 - a handler's bug costs its own request only
-            self.server.log_limited(
-                "handler-error",
-                logging.ERROR,
-                "request handler failed",
-                kv={"path": request.path[:200], "method": request.method[:16]},
-                exc_info=True,
-            )
-            response = Response(text="Internal Server Error\n", status=500)
+            response = self._failed(request)
+        self._task = None
+        self._done(request, response)
+
+    def _failed(self, request: Request) -> Response:
+        self.server.log_limited(
+            "handler-error",
+            logging.ERROR,
+            "request handler failed",
+            kv={"path": request.path[:200], "method": request.method[:16]},
+            exc_info=True,
+        )
+        return Response(text="Internal Server Error\n", status=500)
+
+    def _done(self, request: Request, response: Response) -> None:
+        """Send ``response``, then wait for the next request or close."""
         if not self._closed:
             self._send(response, head=request.method == "HEAD")
-        self._task = None
         self._body = None
         self.busy = False
         if self._closed:
@@ -445,7 +516,8 @@ class _Connection(asyncio.Protocol):
                 self._paused = False
                 assert self.transport is not None
                 self.transport.resume_reading()
-            self._drain()  # a pipelined request already received
+            if not self._draining:  # (else the loop reading events goes on by itself)
+                self._drain()  # a pipelined request already received
         else:
             self.close()
 
@@ -484,7 +556,7 @@ class _Connection(asyncio.Protocol):
             "malformed HTTP requests refused",
             kv={"listener": self.server.name, "status": status, "error": str(exc)[:120]},
         )
-        if self.transport is not None and not self.busy:
+        if self.transport is not None and self._task is None and self.h11.our_state in _UNANSWERED:
             phrase = _status_line(status)
             self.transport.write(
                 f"HTTP/1.1 {status} {phrase}\r\nConnection: close\r\n"
@@ -668,8 +740,12 @@ class HttpServer:
         return True
 
     # routing
-    async def dispatch(self, request: Request) -> Response:
-        """Answer ``request``: its route's handler inside the middlewares (404, 405 if none)."""
+    def dispatch(self, request: Request) -> Response | Awaitable[Response]:
+        """Answer ``request``: its route's handler inside the middlewares (404, 405 if none).
+
+        Returns the response, or an awaitable of it (a coroutine-function handler, or any
+        handler inside middlewares).
+        """
         methods = self._routes.get(request.path)
         handler: Handler
         if methods is None:
@@ -681,7 +757,7 @@ class HttpServer:
             handler = found if found is not None else _not_allowed(methods)
         for mw in reversed(self._middlewares):
             handler = _wrapped(mw, handler)
-        return await handler(request)
+        return handler(request)
 
 
 def _wrapped(mw: Middleware, inner: Handler) -> Handler:
@@ -691,19 +767,19 @@ def _wrapped(mw: Middleware, inner: Handler) -> Handler:
     return call
 
 
-async def _not_found(_: Request) -> Response:
+def _not_found(_: Request) -> Response:
     return Response(text="404: Not Found\n", status=404)
 
 
 def _not_allowed(methods: Mapping[str, Handler]) -> Handler:
     allowed = sorted({*methods, *(("HEAD",) if "GET" in methods else ())})
 
-    async def answer(_: Request) -> Response:
+    def refuse(_: Request) -> Response:
         return Response(
             text="405: Method Not Allowed\n", status=405, headers={"Allow": ", ".join(allowed)}
         )
 
-    return answer
+    return refuse
 
 
 # ---- the event loop and the process -----------------------------------------------------------

@@ -41,7 +41,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from kvpressure.agent.config import ConfigError, read_text
-from kvpressure.agent.httpd import Handler, Request, Response
+from kvpressure.agent.httpd import Handler, Request, Response, answer
 
 _CACHE_MAX: Final = 256
 _VERSIONS = {
@@ -124,7 +124,7 @@ class WebSecurity:
                 text="Unauthorized\n",
                 headers={"WWW-Authenticate": 'Basic realm="kvpressure"'},
             )
-        return await handler(request)
+        return await answer(handler, request)
 
     async def _authorized(self, header: str) -> bool:
         scheme, _, value = header.partition(" ")

@@ -112,7 +112,7 @@ def test_middlewares_wrap_every_request_first_listed_outermost() -> None:
             seen.append(name)
             if request.headers.get("X-Deny"):
                 return Response(text="denied", status=401)
-            response = await handler(request)
+            response = await httpd.answer(handler, request)
             response.headers[f"X-{name}"] = "1"
             return response
 
@@ -324,5 +324,27 @@ def test_pipelined_bytes_are_not_read_while_a_request_is_answered() -> None:
             second = await asyncio.wait_for(reader.readuntil(b"ok GET /"), 5)
             assert second.lstrip().startswith(b"HTTP/1.1 200")
             writer.transport.abort()
+
+    asyncio.run(main())
+
+
+def test_thousands_of_pipelined_requests_to_a_plain_handler_are_all_answered() -> None:
+    """A plain-function handler answers inside the loop reading the events: no recursion."""
+
+    def plain(request: Request) -> Response:
+        return Response(text=f"n{request.query.get('i')};")
+
+    async def main() -> None:
+        async with serving([httpd.get("/", plain)]) as (port, _):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=1 << 22)
+            n = 5000
+            writer.write(
+                b"".join(f"GET /?i={i} HTTP/1.1\r\nHost: x\r\n\r\n".encode() for i in range(n))
+            )
+            await writer.drain()
+            got = await asyncio.wait_for(reader.readuntil(f"n{n - 1};".encode()), 20)
+            assert got.count(b"HTTP/1.1 200 OK") == n
+            assert b"n0;" in got and b"n2500;" in got
+            writer.close()
 
     asyncio.run(main())
