@@ -165,11 +165,12 @@ def attribution_routes(
         q = request.query
         try:
             since_s = parse_since(q.get("since", "10m"))
-            limit = int(q.get("limit", "100"))
         except ValueError as exc:
             return json_response({"error": str(exc)}, status=400)
+        raw_limit = q.get("limit", "100")
+        limit = int(raw_limit) if raw_limit.isdigit() else -1
         if not 0 <= limit <= MAX_ATTRIBUTIONS_LIMIT:
-            error = f"limit must be between 0 and {MAX_ATTRIBUTIONS_LIMIT}"
+            error = f"limit must be a whole number between 0 and {MAX_ATTRIBUTIONS_LIMIT}"
             return json_response({"error": error}, status=400)
         now = time.time()
         requested = now - since_s

@@ -18,10 +18,13 @@ What a client gets:
   answers in the event-loop iteration that read its request; a coroutine function runs on
   a task of its own.
 * **Keep-alive and pipelining** as HTTP/1.1 has them: one request at a time per
-  connection, the next one read after the answer; ``Connection: close`` (or HTTP/1.0
-  without keep-alive) closes after the answer. An answer given before its request's body
-  was read (a 401, a 413) closes the connection, so an unread body is never taken for the
-  next request.
+  connection, the next one read after the answer; ``Connection: close`` and every HTTP/1.0
+  request (h11 does not keep 1.0 connections alive) close after the answer. An answer given
+  before its request's body was read (a 401, a 413) closes the connection, so an unread body
+  is never taken for the next request, after reading and dropping the rest of the body for
+  at most :data:`LINGER_S` (closing at once would reset the connection under a client still
+  sending, which would then miss the answer). A closed connection whose client does not
+  take what was written is cut off after :data:`CLOSE_DEADLINE_S`.
 * **Request bodies** reach the handler as they arrive (:meth:`Body.read`), undecoded (no
   gzip inflation: the OTLP receiver inflates under its own limit); at most
   :data:`BODY_BUFFER_BYTES` wait unread, beyond which the socket is not read. A client
@@ -38,6 +41,9 @@ What a client gets:
   - *Idle timeout.* A kept-alive connection with no new request head within
     ``idle_timeout_s`` is closed.
   - *Head size.* A request line plus headers over :data:`MAX_HEAD_BYTES` is refused (431).
+  - *Answers not taken.* While the answers a client has not read pass the transport's
+    high-water mark (64 KiB), its next requests are not read: a client that pipelines
+    requests and never reads cannot grow the agent's memory.
 * **Errors.** A malformed request is answered 400 (or h11's more specific 4xx) and closed;
   a handler's exception 500, logged with its traceback. Evictions, refusals, header
   timeouts and malformed requests are logged at most once per :data:`LOG_PERIOD_S` per
@@ -54,8 +60,10 @@ import contextlib
 import json
 import logging
 import ssl
+import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from email.utils import formatdate
 from http import HTTPStatus
 from typing import Any, Final
 from urllib.parse import parse_qsl, unquote
@@ -83,6 +91,12 @@ BODY_BUFFER_BYTES: Final = 1 << 20
 not read (TCP flow control then slows the client)."""
 SHUTDOWN_GRACE_S: Final = 0.5
 """Seconds :meth:`HttpServer.close` lets requests being answered finish."""
+CLOSE_DEADLINE_S: Final = 5.0
+"""Seconds a closed connection has to take what was written to it before it is cut off."""
+LINGER_S: Final = 5.0
+"""Seconds the rest of a body answered early (a 413, a 401) is read and dropped."""
+LINGER_MAX_BYTES: Final = 64 << 20
+"""Bytes of such a body read and dropped at most."""
 
 _UNANSWERED: Final = (h11.IDLE, h11.SEND_RESPONSE)
 """Our h11 states in which no response has been started."""
@@ -332,7 +346,14 @@ def _status_line(status: int) -> str:
 
 # ---- the connection ---------------------------------------------------------------------------
 class _Connection(asyncio.Protocol):
-    """One client connection: h11's state machine, one request answered at a time."""
+    """One client connection: h11's state machine, one request answered at a time.
+
+    Reading the socket stops (:meth:`_sync_reading`) while the answers not yet taken by the
+    client pass the transport's high-water mark (a client that sends requests and never
+    reads the answers cannot grow the agent's memory), while a request is being answered
+    (pipelined requests wait in the kernel), and while more than :data:`BODY_BUFFER_BYTES`
+    of a body wait unread.
+    """
 
     def __init__(self, server: HttpServer) -> None:
         self.server = server
@@ -345,8 +366,14 @@ class _Connection(asyncio.Protocol):
         self._body: Body | None = None
         self._task: asyncio.Task[None] | None = None
         self._timer: asyncio.TimerHandle | None = None
-        self._paused = False
+        self._reading = True
+        self._write_paused = False
         self._closed = False
+        self._lost = False
+        self._eof = False
+        self._tls = False
+        self._lingering = False
+        self._lingered = 0
         self._draining = False
         self._pending: h11.Request | None = None
         """A request whose head was read, dispatched at its end or when its body is due."""
@@ -355,6 +382,7 @@ class _Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
+        self._tls = transport.get_extra_info("sslcontext") is not None
         if not self.server.admit(self):
             self._closed = True
             transport.write(_REFUSE)
@@ -363,6 +391,11 @@ class _Connection(asyncio.Protocol):
         self._arm(self.server.header_timeout_s, self._header_deadline)
 
     def data_received(self, data: bytes) -> None:
+        if self._lingering:  # the rest of a body answered early: read and dropped
+            self._lingered += len(data)
+            if self._lingered > LINGER_MAX_BYTES:
+                self.abort()
+            return
         if self._closed:
             return
         try:
@@ -372,23 +405,61 @@ class _Connection(asyncio.Protocol):
         self._drain()
 
     def eof_received(self) -> bool:
+        self._eof = True
+        if self._lingering:
+            return False
         with contextlib.suppress(RuntimeError):
             self.h11.receive_data(b"")
         self._drain()
-        # a half-closed client still gets the answer being made
-        return self.busy
+        # a half-closed client still gets the answer being made (asyncio cannot keep a TLS
+        # connection open after the peer's close_notify: returning True would only log)
+        return self.busy and not self._tls
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closed = True
+        self._lost = True
         self._disarm()
         self.server.forget(self)
         if self._body is not None:
             self._body.fail(ConnectionResetError("client went away"))
 
-    def pause_writing(self) -> None:  # pragma: no cover - answers are small
-        pass
+    def pause_writing(self) -> None:
+        """The client is not taking the answers: stop reading requests."""
+        self._write_paused = True
+        self._sync_reading()
+
+    def resume_writing(self) -> None:
+        """The client took the answers: read (and answer) its next requests."""
+        self._write_paused = False
+        if self._closed or self.busy:
+            return
+        self._sync_reading()
+        self._drain()  # pipelined requests h11 holds already
 
     # reading
+    def _want_reading(self) -> bool:
+        if self._lingering:
+            return True
+        if self._write_paused or self._closed:
+            return False
+        if not self.busy:
+            return True
+        body = self._body
+        return self.h11.their_state is h11.SEND_BODY and (
+            body is None or body.buffered <= BODY_BUFFER_BYTES
+        )
+
+    def _sync_reading(self) -> None:
+        """Pause or resume reading the socket as :meth:`_want_reading` says."""
+        want = self._want_reading()
+        if want == self._reading or self.transport is None or self._lost:
+            return
+        self._reading = want
+        if want:
+            self.transport.resume_reading()
+        else:
+            self.transport.pause_reading()
+
     def _drain(self) -> None:
         """Hand the events h11 parsed so far to the request being answered or a new one.
 
@@ -404,23 +475,19 @@ class _Connection(asyncio.Protocol):
             if self._pending is not None and not self._closed:
                 event, self._pending = self._pending, None
                 self._start(event)
+            self._sync_reading()
 
     def _drain_events(self) -> None:
-        while not self._closed:
+        while not self._closed and not (self._write_paused and not self.busy):
             try:
                 event = self.h11.next_event()
             except h11.RemoteProtocolError as exc:
                 self._pending = None
                 self._malformed(exc)
                 return
-            if event is h11.NEED_DATA:
-                return
-            if event is h11.PAUSED:
-                # a pipelined request waits in h11's buffer until this one is answered:
-                # stop reading so that the buffer cannot grow meanwhile
-                if not self._paused and self.transport is not None:
-                    self._paused = True
-                    self.transport.pause_reading()
+            if event is h11.NEED_DATA or event is h11.PAUSED:
+                # PAUSED: a pipelined request waits in h11's buffer until this one is
+                # answered (reading stops meanwhile: _want_reading)
                 return
             if isinstance(event, h11.Request):
                 self._disarm()
@@ -431,10 +498,6 @@ class _Connection(asyncio.Protocol):
             elif isinstance(event, h11.Data):
                 if self._body is not None:
                     self._body.feed(bytes(event.data))
-                    if self._body.buffered > BODY_BUFFER_BYTES and not self._paused:
-                        self._paused = True
-                        assert self.transport is not None
-                        self.transport.pause_reading()
             elif isinstance(event, h11.EndOfMessage):
                 if self._body is not None:
                     self._body.end()
@@ -453,16 +516,11 @@ class _Connection(asyncio.Protocol):
         if self.h11.they_are_waiting_for_100_continue:
             with contextlib.suppress(h11.LocalProtocolError):
                 self.transport.write(
-                    self.h11.send(h11.InformationalResponse(status_code=100, headers=[]))
+                    self.h11.send(
+                        h11.InformationalResponse(status_code=100, headers=[], reason=b"Continue")
+                    )
                 )
-        body = self._body
-        if (
-            self._paused
-            and self.h11.their_state is h11.SEND_BODY
-            and (body is None or body.buffered <= BODY_BUFFER_BYTES)
-        ):
-            self._paused = False
-            self.transport.resume_reading()
+        self._sync_reading()
 
     def _start(self, event: h11.Request) -> None:
         # h11 bounds a head that arrives in pieces; one that arrives whole is bounded here
@@ -511,13 +569,12 @@ class _Connection(asyncio.Protocol):
         conn = self.h11
         if conn.our_state is h11.DONE and conn.their_state is h11.DONE:
             conn.start_next_cycle()
-            self._arm(self.server.idle_timeout_s, self.close)
-            if self._paused:
-                self._paused = False
-                assert self.transport is not None
-                self.transport.resume_reading()
+            self._arm(self.server.idle_timeout_s, self._idle_deadline)
+            self._sync_reading()
             if not self._draining:  # (else the loop reading events goes on by itself)
                 self._drain()  # a pipelined request already received
+        elif conn.their_state is h11.SEND_BODY:
+            self._linger()
         else:
             self.close()
 
@@ -525,6 +582,7 @@ class _Connection(asyncio.Protocol):
         fields = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in response.headers.items()]
         body = response.body
         fields.append((b"content-length", str(len(body)).encode()))
+        fields.append((b"date", _http_date()))
         if self.h11.their_state is not h11.DONE:
             # answered before the body was read: the rest of it must not become a request
             fields.append((b"connection", b"close"))
@@ -549,6 +607,14 @@ class _Connection(asyncio.Protocol):
         self.transport.write(out)
 
     def _malformed(self, exc: h11.RemoteProtocolError) -> None:
+        if self._eof and self.h11.their_state is not h11.IDLE:
+            # the client closed in the middle of a request (an upload it gave up): not a
+            # malformed request, and no one to answer
+            log.debug("client closed mid-request", extra={"kv": {"listener": self.server.name}})
+            if self._body is not None:
+                self._body.fail(ConnectionResetError("client went away"))
+            self.close()
+            return
         status = exc.error_status_hint if 400 <= exc.error_status_hint < 500 else 400
         self.server.log_limited(
             "malformed",
@@ -589,22 +655,62 @@ class _Connection(asyncio.Protocol):
         )
         self.close()
 
+    def _idle_deadline(self) -> None:
+        self._timer = None
+        if not self.busy:
+            self.close()
+
+    def _linger(self) -> None:
+        """Answered before the request's body arrived: read and drop the rest, then close.
+
+        Closing at once would make the kernel reset the connection while the body still
+        arrives, and a client that sends its whole body before reading (Python's
+        ``http.client``) would see the reset, not the answer (a 413, a 401). So the answer
+        goes out, the agent's side is shut, and what the client still sends is read and
+        dropped for at most :data:`LINGER_S` and :data:`LINGER_MAX_BYTES`, as nginx's
+        ``lingering_close`` does.
+        """
+        self._lingering = True
+        self._closed = True
+        assert self.transport is not None
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self._sync_reading()
+        self._arm(LINGER_S, self.abort)
+
     def close(self) -> None:
-        """Close the connection (what was written is still sent)."""
-        if self._closed:
+        """Close the connection; what was written is still sent.
+
+        A client that does not take it within :data:`CLOSE_DEADLINE_S` is cut off.
+        """
+        if self._closed and not self._lingering:
             return
         self._closed = True
-        self._disarm()
-        if self.transport is not None:
+        self._lingering = False
+        if self.transport is not None and not self._lost:
             self.transport.close()
+            self._arm(CLOSE_DEADLINE_S, self.abort)
 
     def abort(self) -> None:
         """Close now, dropping what was not sent, and stop the request being answered."""
-        self.close()
-        if self.transport is not None:
+        self._closed = True
+        self._lingering = False
+        self._disarm()
+        if self.transport is not None and not self._lost:
             self.transport.abort()
         if self._task is not None:
             self._task.cancel()
+
+
+_date: list[Any] = [0, b""]
+
+
+def _http_date() -> bytes:
+    """The ``Date`` header's value for now (formatted once a second)."""
+    now = int(time.time())
+    if now != _date[0]:
+        _date[0], _date[1] = now, formatdate(now, usegmt=True).encode()
+    return bytes(_date[1])
 
 
 # ---- the server -------------------------------------------------------------------------------

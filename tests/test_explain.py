@@ -160,9 +160,10 @@ def test_explain_cli_and_api_against_a_running_agent(daemon, capsys):
     assert 'kvpressure_slow_requests_total{cause="unknown",engine="llamacpp"} 1.0' in metrics
     assert httpx.get(f"{base}/api/v1/attributions", params={"since": "x"}).status_code == 400
     # issue 18, point 6: the answer's size is bounded
-    for limit in ("100000", "-1"):
+    for limit in ("100000", "-1", "abc", "1e3"):
         r = httpx.get(f"{base}/api/v1/attributions", params={"limit": limit})
-        assert r.status_code == 400 and "limit must be between 0 and 1000" in r.json()["error"]
+        error = r.json()["error"]
+        assert r.status_code == 400 and "limit must be a whole number between 0 and 1000" in error
     assert httpx.get(f"{base}/api/v1/attributions", params={"limit": "1000"}).status_code == 200
 
 

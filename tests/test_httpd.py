@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import http.client
 import logging
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -346,5 +348,75 @@ def test_thousands_of_pipelined_requests_to_a_plain_handler_are_all_answered() -
             assert got.count(b"HTTP/1.1 200 OK") == n
             assert b"n0;" in got and b"n2500;" in got
             writer.close()
+
+    asyncio.run(main())
+
+
+def test_a_client_that_never_reads_its_answers_cannot_grow_the_agents_memory(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Pipelined requests for a 64 KB answer each, never read: reading stops once the
+    answers not taken pass the transport's high-water mark; an idle timeout then closes the
+    connection, and the close deadline cuts it off since the client takes nothing."""
+    monkeypatch.setattr(httpd, "CLOSE_DEADLINE_S", 0.3)
+    big = b"x" * 65536
+
+    def answer(_: Request) -> Response:
+        return Response(big)
+
+    async def main() -> None:
+        async with serving([httpd.get("/", answer)], idle_timeout_s=1.5) as (port, server):
+            loop = asyncio.get_running_loop()
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.setblocking(False)
+            await loop.sock_connect(sock, ("127.0.0.1", port))
+            one = b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" * 50
+            sent = 0
+            t0 = loop.time()
+            while loop.time() - t0 < 1:
+                try:
+                    sent += sock.send(one)
+                except BlockingIOError:  # the agent stopped reading: the kernel is full
+                    await asyncio.sleep(0.01)
+                    continue
+                await asyncio.sleep(0)
+            (conn,) = list(server._conns)
+            assert conn.transport is not None
+            queued = conn.transport.get_write_buffer_size()
+            assert queued <= 4 << 20, queued  # without the bound: gigabytes
+            answered = sent // len(one) * 50
+            assert answered > 0
+            # nothing is read: the idle timeout closes, the deadline cuts it off
+            for _ in range(300):
+                if server.connections == 0 and conn._lost:
+                    break
+                await asyncio.sleep(0.01)
+            assert server.connections == 0 and conn._lost
+            sock.close()
+
+    asyncio.run(main())
+
+
+def test_an_early_answer_reaches_a_client_that_sends_its_whole_body_first() -> None:
+    """Python's http.client writes all of a body before reading: a 413 given before the
+    body was read must not reach it as a connection reset."""
+
+    def refuse(_: Request) -> Response:
+        return Response(text="too large", status=413)
+
+    async def main() -> None:
+        async with serving([httpd.post("/r", refuse)]) as (port, _):
+
+            def client() -> tuple[int, str, str | None]:
+                c = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+                c.request("POST", "/r", body=b"\0" * (8 << 20))
+                r = c.getresponse()
+                return r.status, r.read().decode(), r.getheader("Date")
+
+            for _ in range(3):
+                status, text, date = await asyncio.to_thread(client)
+                assert (status, text) == (413, "too large")
+                assert date is not None and date.endswith(" GMT")
 
     asyncio.run(main())
