@@ -546,7 +546,17 @@ class _Connection(asyncio.Protocol):
         except Exception:  # noqa: BLE001 - a handler's bug costs its own request only
             response = self._failed(request)
         self._task = None
-        self._done(request, response)
+        try:
+            self._done(request, response)
+        except Exception:  # noqa: BLE001 - no exception may outlive the task unretrieved
+            self.server.log_limited(
+                "send-error",
+                logging.ERROR,
+                "cannot finish a request",
+                kv={"path": request.path[:200]},
+                exc_info=True,
+            )
+            self.abort()
 
     def _failed(self, request: Request) -> Response:
         self.server.log_limited(
@@ -674,7 +684,11 @@ class _Connection(asyncio.Protocol):
         self._closed = True
         assert self.transport is not None
         if self.transport.can_write_eof():
-            self.transport.write_eof()
+            try:
+                self.transport.write_eof()
+            except OSError:  # the client already reset the connection (ENOTCONN)
+                self.abort()
+                return
         self._sync_reading()
         self._arm(LINGER_S, self.abort)
 

@@ -13,6 +13,7 @@ import hashlib
 import http.client
 import logging
 import socket
+import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -420,3 +421,37 @@ def test_an_early_answer_reaches_a_client_that_sends_its_whole_body_first() -> N
                 assert date is not None and date.endswith(" GMT")
 
     asyncio.run(main())
+
+
+def test_an_early_answer_to_a_client_that_reset_is_dropped_quietly(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The client resets right after a partial body, before the early answer is made:
+    shutting the agent's side then fails (ENOTCONN), which must close the connection, not
+    escape the task (asyncio's "Task exception was never retrieved")."""
+
+    async def refuse(_: Request) -> Response:
+        return Response(text="no", status=404)
+
+    async def main() -> None:
+        async with serving([httpd.post("/r", refuse)]) as (port, server):
+            loop = asyncio.get_running_loop()
+
+            def burst() -> None:
+                for _ in range(300):
+                    s = socket.create_connection(("127.0.0.1", port))
+                    s.sendall(b"POST /r HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\nabc")
+                    s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    s.close()  # RST
+
+            await loop.run_in_executor(None, burst)
+            for _ in range(300):
+                if server.connections == 0:
+                    break
+                await asyncio.sleep(0.01)
+            assert server.connections == 0
+
+    with caplog.at_level(logging.DEBUG):
+        asyncio.run(main())
+    assert "Task exception was never retrieved" not in caplog.text
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
