@@ -168,7 +168,8 @@ def attribution_routes(
         except ValueError as exc:
             return json_response({"error": str(exc)}, status=400)
         raw_limit = q.get("limit", "100")
-        limit = int(raw_limit) if raw_limit.isdigit() else -1
+        ascii_digits = raw_limit.isascii() and raw_limit.isdigit() and len(raw_limit) <= 9
+        limit = int(raw_limit) if ascii_digits else -1
         if not 0 <= limit <= MAX_ATTRIBUTIONS_LIMIT:
             error = f"limit must be a whole number between 0 and {MAX_ATTRIBUTIONS_LIMIT}"
             return json_response({"error": error}, status=400)

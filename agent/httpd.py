@@ -42,8 +42,14 @@ What a client gets:
     ``idle_timeout_s`` is closed.
   - *Head size.* A request line plus headers over :data:`MAX_HEAD_BYTES` is refused (431).
   - *Answers not taken.* While the answers a client has not read pass the transport's
-    high-water mark (64 KiB), its next requests are not read: a client that pipelines
-    requests and never reads cannot grow the agent's memory.
+    high-water mark (64 KiB), its next requests are not read: what a client that
+    pipelines requests and never reads costs is bounded per connection (one socket read
+    not yet parsed, up to 256 KiB, and the answers queued), and ``max_connections`` bounds
+    the connections.
+  - *Pipelined floods.* At most :data:`REQUESTS_PER_PASS` pipelined requests are answered
+    before the event loop serves the other clients.
+  - *Smuggling.* A request with both ``Transfer-Encoding`` and ``Content-Length`` is
+    refused (400) and the connection closed.
 * **Errors.** A malformed request is answered 400 (or h11's more specific 4xx) and closed;
   a handler's exception 500, logged with its traceback. Evictions, refusals, header
   timeouts and malformed requests are logged at most once per :data:`LOG_PERIOD_S` per
@@ -98,6 +104,9 @@ LINGER_S: Final = 5.0
 LINGER_MAX_BYTES: Final = 64 << 20
 """Bytes of such a body read and dropped at most."""
 
+_FRAMING: Final = frozenset({b"transfer-encoding", b"content-length"})
+REQUESTS_PER_PASS: Final = 32
+"""Pipelined requests answered in one pass of the event loop before the others are served."""
 _UNANSWERED: Final = (h11.IDLE, h11.SEND_RESPONSE)
 """Our h11 states in which no response has been started."""
 _REFUSE: Final = (
@@ -375,6 +384,8 @@ class _Connection(asyncio.Protocol):
         self._lingering = False
         self._lingered = 0
         self._draining = False
+        self._yielding = False
+        self._answered = 0
         self._pending: h11.Request | None = None
         """A request whose head was read, dispatched at its end or when its body is due."""
 
@@ -437,10 +448,15 @@ class _Connection(asyncio.Protocol):
         self._drain()  # pipelined requests h11 holds already
 
     # reading
+    def _go_on(self) -> None:
+        self._yielding = False
+        if not self._closed and not self.busy:
+            self._drain()
+
     def _want_reading(self) -> bool:
         if self._lingering:
             return True
-        if self._write_paused or self._closed:
+        if self._write_paused or self._closed or self._yielding:
             return False
         if not self.busy:
             return True
@@ -478,7 +494,16 @@ class _Connection(asyncio.Protocol):
             self._sync_reading()
 
     def _drain_events(self) -> None:
+        answered = self._answered
         while not self._closed and not (self._write_paused and not self.busy):
+            if self._answered - answered >= REQUESTS_PER_PASS and not self.busy:
+                # a pipelined flood: let the event loop serve the others, go on later
+                self._yielding = True
+                asyncio.get_running_loop().call_soon(self._go_on)
+                return
+            if self.transport is None or self.transport.is_closing():
+                self._closed = True
+                return
             try:
                 event = self.h11.next_event()
             except h11.RemoteProtocolError as exc:
@@ -528,6 +553,12 @@ class _Connection(asyncio.Protocol):
         if size > MAX_HEAD_BYTES:
             self._malformed(h11.RemoteProtocolError("request head too long", error_status_hint=431))
             return
+        framing = {n for n, _ in event.headers.raw_items() if n.lower() in _FRAMING}
+        if len(framing) > 1:
+            # both Transfer-Encoding and Content-Length: a request smuggling vector behind
+            # a proxy that frames by the other one (RFC 9112, 6.1: refuse, or close after)
+            self._malformed(h11.RemoteProtocolError("both Transfer-Encoding and Content-Length"))
+            return
         assert self._body is not None
         request = Request(event, self._body)
         try:
@@ -570,6 +601,9 @@ class _Connection(asyncio.Protocol):
 
     def _done(self, request: Request, response: Response) -> None:
         """Send ``response``, then wait for the next request or close."""
+        self._answered += 1
+        if self.transport is None or self.transport.is_closing():
+            self._closed = True  # the client went away: nothing to send, nothing to log
         if not self._closed:
             self._send(response, head=request.method == "HEAD")
         self._body = None

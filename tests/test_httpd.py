@@ -455,3 +455,75 @@ def test_an_early_answer_to_a_client_that_reset_is_dropped_quietly(
         asyncio.run(main())
     assert "Task exception was never retrieved" not in caplog.text
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def test_a_pipelined_flood_does_not_hold_the_event_loop() -> None:
+    """5,000 pipelined requests in one write: another client is answered while they are,
+    not after (the flood is answered REQUESTS_PER_PASS at a time)."""
+    order: list[str] = []
+
+    def record(request: Request) -> Response:
+        order.append(request.path)
+        return Response(text="k")
+
+    async def main() -> None:
+        async with serving([httpd.get("/a", record), httpd.get("/b", record)]) as (port, _):
+            ra, wa = await asyncio.open_connection("127.0.0.1", port, limit=1 << 24)
+            n = 5000
+            wa.write(b"GET /a HTTP/1.1\r\nHost: x\r\n\r\n" * n)
+            reading = asyncio.create_task(ra.read(1 << 30))  # take the flood's answers
+            while not order:
+                await asyncio.sleep(0.001)
+            rb, wb = await asyncio.open_connection("127.0.0.1", port)
+            wb.write(b"GET /b HTTP/1.1\r\nHost: x\r\n\r\n")
+            await asyncio.wait_for(rb.readuntil(b"\r\n\r\nk"), 10)
+            assert order.index("/b") < n // 2, order.index("/b")
+            reading.cancel()
+            wa.close()
+            wb.close()
+
+    asyncio.run(main())
+
+
+def test_a_burst_then_a_reset_writes_nothing_to_the_dead_connection(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """asyncio logs a warning for every write to a socket that failed: the answers to a
+    burst whose client reset must stop, not become thousands of log lines."""
+
+    async def main() -> None:
+        async with serving([httpd.get("/", ok)]) as (port, server):
+            loop = asyncio.get_running_loop()
+
+            def burst() -> None:
+                for _ in range(3):
+                    s = socket.create_connection(("127.0.0.1", port))
+                    s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" * 3000)
+                    s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    s.close()
+
+            await loop.run_in_executor(None, burst)
+            for _ in range(300):
+                if server.connections == 0:
+                    break
+                await asyncio.sleep(0.01)
+            assert server.connections == 0
+
+    with caplog.at_level(logging.WARNING):
+        asyncio.run(main())
+    assert caplog.text.count("socket.send() raised exception") <= 3, caplog.text[:500]
+
+
+def test_a_request_with_both_transfer_encoding_and_content_length_is_refused() -> None:
+    async def main() -> None:
+        async with serving([httpd.post("/p", ok), httpd.get("/smuggled", ok)]) as (port, _):
+            answer = await exchange(
+                port,
+                b"POST /p HTTP/1.1\r\nHost: x\r\nContent-Length: 40\r\n"
+                b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n"
+                b"GET /smuggled HTTP/1.1\r\nHost: x\r\n\r\n",
+            )
+            assert answer.startswith(b"HTTP/1.1 400 ")
+            assert b"smuggled" not in answer
+
+    asyncio.run(main())
