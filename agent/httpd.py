@@ -170,11 +170,6 @@ class Body:
         self._waiter: asyncio.Future[None] | None = None
 
     @property
-    def at_eof(self) -> bool:
-        """True once the whole body arrived and was read."""
-        return self._eof and not self._buf
-
-    @property
     def buffered(self) -> int:
         """Bytes received and not yet read."""
         return len(self._buf)
@@ -235,10 +230,9 @@ class Request:
         content: the body, :class:`Body` (empty for a request without one).
         content_length: the ``Content-Length`` header as an int, else None (absent,
             malformed, or a chunked body).
-        http_version: ``"1.1"`` or ``"1.0"``.
     """
 
-    __slots__ = ("_qs", "_query", "content", "headers", "http_version", "method", "path")
+    __slots__ = ("_qs", "_query", "content", "headers", "method", "path")
 
     def __init__(self, event: h11.Request, body: Body) -> None:
         self.method = event.method.decode("ascii", "replace")
@@ -251,7 +245,6 @@ class Request:
         self.path = unquote(raw_path) if "%" in raw_path else raw_path
         self._query: Mapping[str, str] | None = None
         self.headers = Headers(event.headers)
-        self.http_version = event.http_version.decode("ascii", "replace")
         self.content = body
 
     @property
