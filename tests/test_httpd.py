@@ -53,6 +53,23 @@ async def exchange(port: int, raw: bytes, until_eof: bool = True) -> bytes:
         writer.close()
 
 
+async def until(condition: Callable[[], bool], seconds: float = 3.0) -> None:
+    """Wait until ``condition()`` holds or ``seconds`` passed (the caller asserts it)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + seconds
+    while not condition() and loop.time() < deadline:
+        await asyncio.sleep(0.01)
+
+
+def send_then_reset(port: int, data: bytes, times: int) -> None:
+    """``times`` connections that each send ``data`` and close with a reset (RST)."""
+    for _ in range(times):
+        s = socket.create_connection(("127.0.0.1", port))
+        s.sendall(data)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        s.close()
+
+
 def test_keep_alive_and_pipelined_requests_are_answered_in_order() -> None:
     async def main() -> None:
         async with serving([httpd.get("/a", ok), httpd.get("/b", ok)]) as (port, _):
@@ -210,10 +227,7 @@ def test_a_client_gone_mid_body_fails_only_its_read() -> None:
             await writer.drain()
             await asyncio.sleep(0.1)
             writer.transport.abort()
-            for _ in range(100):
-                if failures:
-                    break
-                await asyncio.sleep(0.01)
+            await until(lambda: bool(failures), 1.0)
             assert failures
             async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as c:
                 assert (await c.get("/")).text == "ok GET /"
@@ -389,10 +403,7 @@ def test_a_client_that_never_reads_its_answers_cannot_grow_the_agents_memory(
             answered = sent // len(one) * 50
             assert answered > 0
             # nothing is read: the idle timeout closes, the deadline cuts it off
-            for _ in range(300):
-                if server.connections == 0 and conn._lost:
-                    break
-                await asyncio.sleep(0.01)
+            await until(lambda: server.connections == 0 and conn._lost)
             assert server.connections == 0 and conn._lost
             sock.close()
 
@@ -435,20 +446,9 @@ def test_an_early_answer_to_a_client_that_reset_is_dropped_quietly(
 
     async def main() -> None:
         async with serving([httpd.post("/r", refuse)]) as (port, server):
-            loop = asyncio.get_running_loop()
-
-            def burst() -> None:
-                for _ in range(300):
-                    s = socket.create_connection(("127.0.0.1", port))
-                    s.sendall(b"POST /r HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\nabc")
-                    s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-                    s.close()  # RST
-
-            await loop.run_in_executor(None, burst)
-            for _ in range(300):
-                if server.connections == 0:
-                    break
-                await asyncio.sleep(0.01)
+            head = b"POST /r HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\nabc"
+            await asyncio.to_thread(send_then_reset, port, head, 300)
+            await until(lambda: server.connections == 0)
             assert server.connections == 0
 
     with caplog.at_level(logging.DEBUG):
@@ -493,20 +493,9 @@ def test_a_burst_then_a_reset_writes_nothing_to_the_dead_connection(
 
     async def main() -> None:
         async with serving([httpd.get("/", ok)]) as (port, server):
-            loop = asyncio.get_running_loop()
-
-            def burst() -> None:
-                for _ in range(3):
-                    s = socket.create_connection(("127.0.0.1", port))
-                    s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" * 3000)
-                    s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-                    s.close()
-
-            await loop.run_in_executor(None, burst)
-            for _ in range(300):
-                if server.connections == 0:
-                    break
-                await asyncio.sleep(0.01)
+            burst = b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" * 3000
+            await asyncio.to_thread(send_then_reset, port, burst, 3)
+            await until(lambda: server.connections == 0)
             assert server.connections == 0
 
     with caplog.at_level(logging.WARNING):
