@@ -59,7 +59,9 @@ def test_reduced_attribution_benchmark(tmp_path):
     if missing:
         _unavailable(f"faults that cannot be injected here: {missing}")
     calm = results["calm"]
-    assert calm["slow"] <= bench.TARGET_CALM_SLOW * calm["requests"] + 1e-9, calm
+    # false alarms: flagged requests the client's own clock did not see decode slowly
+    # (run.CLIENT_SLOW_FACTOR: the engine's out-of-step decode mode is really slower)
+    assert calm["false_slow"] <= bench.TARGET_CALM_SLOW * calm["requests"] + 1e-9, calm
     assert calm["by_cause"].get("memory", 0) == 0, calm
     for name in bench.SCENARIOS[1:]:  # the fault scenarios this suite runs
         cause, r = bench.EXPECTED[name], results[name]
