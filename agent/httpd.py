@@ -726,6 +726,17 @@ class _Connection(asyncio.Protocol):
         if size > MAX_HEAD_BYTES:
             self._malformed(h11.RemoteProtocolError("request head too long", error_status_hint=431))
             return
+        if event.http_version[:1] != b"1":
+            # HTTP/2 with prior knowledge (PRI * HTTP/2.0): most often an OTLP exporter set
+            # to gRPC; say so once a minute instead of answering 404 to the preface
+            self.server.log_limited(
+                "http2",
+                logging.WARNING,
+                "refused HTTP/2 (is an OTLP exporter set to gRPC? use http/protobuf)",
+                kv={"listener": self.server.name},
+            )
+            self._refuse(505)
+            return
         framing = {n for n, _ in event.headers.raw_items() if n.lower() in _FRAMING}
         if len(framing) > 1:
             # both Transfer-Encoding and Content-Length: a request smuggling vector behind
@@ -838,6 +849,10 @@ class _Connection(asyncio.Protocol):
             "malformed HTTP requests refused",
             kv={"listener": self.server.name, "status": status, "error": str(exc)[:120]},
         )
+        self._refuse(status)
+
+    def _refuse(self, status: int) -> None:
+        """Answer ``status`` with no body unless an answer was started, and close."""
         if self.transport is not None and self._task is None and self.h11.our_state in _UNANSWERED:
             phrase = _status_line(status)
             self.transport.write(

@@ -516,3 +516,21 @@ def test_a_request_with_both_transfer_encoding_and_content_length_is_refused() -
             assert b"smuggled" not in answer
 
     asyncio.run(main())
+
+
+def test_an_http2_preface_is_refused_505_and_named_in_the_log(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # an OTLP exporter set to gRPC speaks HTTP/2 with prior knowledge: a 404 to "PRI *"
+    # would tell its operator nothing
+    async def main() -> None:
+        async with serving([httpd.get("/metrics", ok)]) as (port, _):
+            answer = await exchange(port, b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+            assert answer.startswith(b"HTTP/1.1 505 HTTP Version Not Supported\r\n"), answer
+            again = await exchange(port, b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n", False)
+            assert again.startswith(b"HTTP/1.1 200 ")
+
+    with caplog.at_level(logging.WARNING, logger="kvpressure.agent.httpd"):
+        asyncio.run(main())
+    lines = [r.getMessage() for r in caplog.records if "HTTP/2" in r.getMessage()]
+    assert len(lines) == 1 and "gRPC" in lines[0], lines
