@@ -363,9 +363,11 @@ def _status_line(status: int) -> str:
 # Anything else goes to h11; tests/test_httpd_fastpath.py proves both equal to h11 (the
 # same request, the same answer bytes) on generated requests and responses.
 _TOKEN: Final = rb"[-!#$%&'*+.^_`|~0-9a-zA-Z]+"
-_VALUE: Final = rb"(?:[\x21-\x7e]+(?:[ \t]+[\x21-\x7e]+)*)?"
+# possessive quantifiers (*+, ++): no backtracking, so a line of 16 KiB of blanks followed
+# by a byte refused costs linear time (plain quantifiers took 0.5 s of event loop for it)
+_VALUE: Final = rb"(?:[\x21-\x7e]++(?:[ \t]++[\x21-\x7e]++)*+)?+"
 _FAST_LINE: Final = re.compile(rb"(GET|HEAD) (/[\x21-\x7e]*) HTTP/1\.1")
-_FAST_FIELD: Final = re.compile(rb"(" + _TOKEN + rb"):[ \t]*(" + _VALUE + rb")[ \t]*")
+_FAST_FIELD: Final = re.compile(rb"(" + _TOKEN + rb"):[ \t]*+(" + _VALUE + rb")[ \t]*+")
 _OUT_NAME: Final = re.compile(_TOKEN)
 _OUT_VALUE: Final = re.compile(_VALUE)
 _NOT_FAST_IN: Final = frozenset({b"content-length", b"transfer-encoding", b"expect", b"upgrade"})
@@ -415,9 +417,18 @@ def _fast_request(
                 elif token not in _KEEP_ALIVE:
                     return None
         fields.append((name, value))
-    if hosts != 1:
-        return None
+    if hosts != 1 or _head_size(m[2], fields) > MAX_HEAD_BYTES:
+        return None  # (over the size, h11's path answers 431)
     return m[1], m[2], fields, close
+
+
+def _head_size(target: bytes, fields: Iterable[tuple[bytes, bytes]]) -> int:
+    """A request head's size, bytes, as both paths bound it (:data:`MAX_HEAD_BYTES`).
+
+    The target, and each header's name and value plus 4 (``": "`` and CRLF), whatever
+    blanks the client put around them.
+    """
+    return len(target) + sum(len(n) + len(v) + 4 for n, v in fields)
 
 
 def _fast_response(response: Response, head: bool, close: bool) -> bytes | None:
@@ -453,10 +464,11 @@ def _fast_response(response: Response, head: bool, close: bool) -> bytes | None:
     return b"".join(out)
 
 
-def _h11_response(raw_head: bytes, response: Response, head: bool) -> bytes:
+def _h11_response(raw_head: bytes, response: Response, head: bool) -> tuple[bytes, bool]:
     """What h11 writes for ``response`` to the fast-path request ``raw_head``.
 
-    Used when :func:`_fast_response` declines the response.
+    Used when :func:`_fast_response` declines the response. Returns the bytes and whether
+    the connection must close after them (the request or the response said so).
 
     Raises:
         h11.LocalProtocolError: h11 refuses the response (an invalid header).
@@ -465,7 +477,8 @@ def _h11_response(raw_head: bytes, response: Response, head: bool) -> bytes:
     conn.receive_data(raw_head)
     conn.next_event()  # the request
     conn.next_event()  # its end
-    return _serialize(conn, response, head)
+    out = _serialize(conn, response, head)
+    return out, conn.our_state is not h11.DONE
 
 
 def _serialize(conn: h11.Connection, response: Response, head: bool) -> bytes:
@@ -722,8 +735,7 @@ class _Connection(asyncio.Protocol):
 
     def _start(self, event: h11.Request) -> None:
         # h11 bounds a head that arrives in pieces; one that arrives whole is bounded here
-        size = len(event.target) + sum(len(n) + len(v) + 4 for n, v in event.headers.raw_items())
-        if size > MAX_HEAD_BYTES:
+        if _head_size(event.target, event.headers.raw_items()) > MAX_HEAD_BYTES:
             self._malformed(h11.RemoteProtocolError("request head too long", error_status_hint=431))
             return
         if event.http_version[:1] != b"1":
@@ -791,14 +803,15 @@ class _Connection(asyncio.Protocol):
         if self.transport is None or self.transport.is_closing():
             self._closed = True  # the client went away: nothing to send, nothing to log
         fast, self._fast = self._fast, None
+        close = False
         if not self._closed:
-            self._send(response, request.method == "HEAD", fast)
+            close = self._send(response, request.method == "HEAD", fast)
         self._body = None
         self.busy = False
         if self._closed:
             return
         if fast is not None:  # h11 saw nothing of it: still idle, ready for the next request
-            if fast[1] or self._eof:
+            if close or self._eof:
                 self.close()
             else:
                 self._arm(self.server.idle_timeout_s, self._idle_deadline)
@@ -816,22 +829,28 @@ class _Connection(asyncio.Protocol):
         else:
             self.close()
 
-    def _send(self, response: Response, head: bool, fast: tuple[bytes, bool] | None) -> None:
+    def _send(self, response: Response, head: bool, fast: tuple[bytes, bool] | None) -> bool:
+        """Write ``response``; True when a fast-path connection must close after it."""
         assert self.transport is not None
+        close = False
         try:
             if fast is None:
                 out = _serialize(self.h11, response, head)
             else:
                 raw, close = fast
                 quick = _fast_response(response, head, close)
-                out = quick if quick is not None else _h11_response(raw, response, head)
+                if quick is None:
+                    out, close = _h11_response(raw, response, head)
+                else:
+                    out = quick
         except h11.LocalProtocolError as exc:
             self.server.log_limited(
                 "bad-response", logging.ERROR, "cannot send a response", kv={"error": str(exc)}
             )
             self.close()
-            return
+            return True
         self.transport.write(out)
+        return close
 
     def _malformed(self, exc: h11.RemoteProtocolError) -> None:
         if self._eof and self.h11.their_state is not h11.IDLE:

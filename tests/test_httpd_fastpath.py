@@ -12,6 +12,7 @@ socket: both paths on one connection, answers equal.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 
 import h11
@@ -236,7 +237,9 @@ def test_every_answer_the_fast_path_writes_h11_writes_the_same(
     response = Response(body, status, headers=headers)
     head = method == b"HEAD"
     try:
-        expected: bytes | type[BaseException] = httpd._h11_response(raw, response, head)
+        expected: tuple[bytes, bool] | type[BaseException] = httpd._h11_response(
+            raw, response, head
+        )
     except (h11.LocalProtocolError, UnicodeEncodeError) as exc:
         expected = type(exc)
     try:
@@ -246,7 +249,8 @@ def test_every_answer_the_fast_path_writes_h11_writes_the_same(
         return
     if fast is None:
         return  # declined: the connection writes h11's answer (expected) instead
-    assert fast == expected
+    # the same bytes, and the connection closes after them exactly when h11's would
+    assert (fast, close) == expected
 
 
 # ---- over a real socket: both paths on one connection ----------------------------------------
@@ -305,3 +309,65 @@ def test_one_connection_answers_the_same_by_either_path(monkeypatch: pytest.Monk
     asyncio.run(main())
     # the lone GET and the lone HEAD by the fast path; the pipelined pair and the POST not
     assert taken == [True, False, False, True], taken
+
+
+def test_a_long_run_of_blanks_costs_the_header_reader_linear_time() -> None:
+    # a header line of blanks then a byte refused: with plain quantifiers the regex tried
+    # every split of the run between the blanks before and after the value (quadratic:
+    # 0.5 s for 16 KiB, a stalled event loop); possessive quantifiers never backtrack. The
+    # line is 64 KiB (the reader is never given more than 16 KiB) so that quadratic time
+    # would be minutes, not a margin against a slow machine.
+    line = b"X:" + b" " * 65536 + b"\x80"
+    t0 = time.process_time()
+    assert httpd._FAST_FIELD.fullmatch(line) is None
+    assert httpd._OUT_VALUE.fullmatch(b"a" + b" " * 65536 + b"\x80") is None
+    assert time.process_time() - t0 < 1.0
+
+
+def test_the_head_size_bound_does_not_depend_on_how_the_head_arrived() -> None:
+    # 30 headers written without the blank after the colon: 3 bytes each on the wire,
+    # counted 4 by the bound (": " and CRLF) on either path
+    fill = b"a:b\r\n" * 30
+    base = b"GET /x HTTP/1.1\r\nHost:x\r\n" + fill + b"X:"
+    size = len(base) + 4
+    head = base + b"v" * (httpd.MAX_HEAD_BYTES - 10 - size) + b"\r\n\r\n"
+    assert len(head) <= httpd.MAX_HEAD_BYTES  # arrives as one read of under 16 KiB...
+    assert httpd._fast_request(head) is None  # ...but counts over it: h11's path answers 431
+
+    async def main() -> None:
+        server = httpd.HttpServer("t", [httpd.get("/x", lambda r: Response(b"ok"))], [])
+        port = await server.start("127.0.0.1", 0)
+        try:
+            for parts in ([head], [head[:100], head[100:]]):
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                for part in parts:
+                    writer.write(part)
+                    await writer.drain()
+                    await asyncio.sleep(0.05)
+                answer = await asyncio.wait_for(reader.read(), 5)
+                writer.close()
+                assert answer.startswith(b"HTTP/1.1 431 "), (len(parts), answer[:40])
+        finally:
+            await server.close()
+
+    asyncio.run(main())
+
+
+def test_an_answer_that_says_connection_close_closes_a_fast_path_connection() -> None:
+    def closing(request: httpd.Request) -> Response:
+        return Response(b"bye", headers={"Connection": "close"})
+
+    async def main() -> None:
+        server = httpd.HttpServer("t", [httpd.get("/bye", closing)], [])
+        port = await server.start("127.0.0.1", 0)
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"GET /bye HTTP/1.1\r\nHost: x\r\n\r\n")  # one read: the fast path
+            answer = await asyncio.wait_for(reader.read(), 5)  # EOF: the agent closed
+            writer.close()
+        finally:
+            await server.close()
+        assert answer.startswith(b"HTTP/1.1 200 OK\r\n") and answer.endswith(b"\r\n\r\nbye")
+        assert b"Connection: close\r\n" in answer
+
+    asyncio.run(main())
