@@ -12,6 +12,7 @@ socket: both paths on one connection, answers equal.
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import Iterator
 
@@ -371,3 +372,40 @@ def test_an_answer_that_says_connection_close_closes_a_fast_path_connection() ->
         assert b"Connection: close\r\n" in answer
 
     asyncio.run(main())
+
+
+H11_ORIGINAL = re.compile(h11._abnf.header_field.encode("ascii"))
+
+
+FIELD_PIECES = [b" ", b"\t", b"a", b"b", b"\x80", b"\x7f", b"\x01", b"\x00", b"\x0b", b"\r", b":"]
+
+
+@settings(max_examples=3000, deadline=None)
+@given(
+    st.tuples(
+        _mostly([b"X", b"a-b", b"X-Key"], st.sampled_from([b"", b"X Y", b"\x80", b"("])),
+        _mostly([b":"], st.sampled_from([b"", b";", b" :"])),
+        st.lists(st.sampled_from(FIELD_PIECES), max_size=20).map(b"".join),
+    ).map(b"".join)
+)
+@example(b"X: a b\t c ")
+@example(b"X:\t \x00")
+@example(b"X: \x80 \x7f ")
+def test_the_linear_h11_header_regex_matches_what_h11s_own_does(line: bytes) -> None:
+    ours, theirs = httpd.H11_HEADER_FIELD.fullmatch(line), H11_ORIGINAL.fullmatch(line)
+    assert (ours is None) == (theirs is None), line
+    if ours is not None and theirs is not None:
+        assert ours.groupdict() == theirs.groupdict(), line
+
+
+def test_h11_reads_headers_with_the_linear_regex() -> None:
+    # the agent's listener and every h11 user in the process: refused in linear time
+    assert httpd.H11_LINEAR_HEADERS
+    assert h11._readers.header_field_re is httpd.H11_HEADER_FIELD
+    head = b"GET / HTTP/1.1\r\nHost: x\r\nX:" + b" " * 65536 + b"\x00\r\n\r\n"
+    conn = h11.Connection(h11.SERVER, max_incomplete_event_size=1 << 20)
+    conn.receive_data(head)
+    t0 = time.process_time()
+    with pytest.raises(h11.RemoteProtocolError):
+        conn.next_event()
+    assert time.process_time() - t0 < 1.0  # quadratic: minutes at 64 KiB
