@@ -14,10 +14,11 @@ are several times what a burst of back-to-back requests measures. Servers:
   with the prepared body: what an HTTP server built on that library would cost;
 * ``aiohttp-lowlevel``: ``aiohttp.web.Server`` with a handler returning a prepared body and
   headers (aiohttp at its leanest);
-* ``agent``: the agent's listener (:class:`agent.httpd.HttpServer`, h11 with the connection
-  cap, timeouts and routing, serving :func:`agent.api.api_routes`) serving the default
-  exposition. Until issue 15's RSS cut it was an aiohttp application; ``aiohttp-lowlevel``
-  is the floor of that library.
+* ``agent``: the agent's listener (:class:`agent.httpd.HttpServer`: the connection cap,
+  timeouts and routing; a scrape that arrives whole is read and answered by its fast path,
+  anything else by h11) serving :func:`agent.api.api_routes` with the default exposition.
+  Until issue 15's RSS cut it was an aiohttp application; ``aiohttp-lowlevel`` is the floor
+  of that library.
 
 Usage::
 
