@@ -9,7 +9,7 @@ for values they do not have: :meth:`Batch.add` silently drops ``None`` and NaN, 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Final, Literal, NamedTuple
 
@@ -88,10 +88,17 @@ class Batch:
     A sampler fills a batch through :meth:`add`; a source that failed is recorded with
     :meth:`source_error` and the rest of the batch is still used (partial results are
     results).
+
+    Attributes:
+        samples: every sample of the cycle, the :meth:`held` ones last.
+        sources: one status per source.
+        held: how many of the last ``samples`` repeat an earlier cycle's reading of a
+            source read less often than the sampler's interval (:meth:`hold`).
     """
 
     samples: list[Sample] = field(default_factory=list)
     sources: list[SourceStatus] = field(default_factory=list)
+    held: int = 0
 
     def add(self, name: SampleName, value: float | int | None, /, **labels: str | None) -> None:
         """Append a sample unless ``value`` is missing.
@@ -144,6 +151,30 @@ class Batch:
                 :class:`Sample`, so its name is a catalogue :data:`SampleName`).
         """
         self.samples.extend(samples)
+
+    def hold(self, samples: Sequence[Sample], sources: Iterable[SourceStatus] = ()) -> None:
+        """Append the last reading of a source this cycle did not read again.
+
+        A source read less often than its sampler (the host's disks and network, every
+        second while memory and PSI are read ten times a second) repeats its last samples
+        and statuses in the cycles between its reads, so ``/metrics`` and the derived
+        stages' latest values keep them. They are not new points: :meth:`recorded` leaves
+        them out, so the timeline keeps only the times they were read, and a counter's rate
+        over a short window spans the reads around it (not a step to zero and back).
+
+        Call it after every :meth:`add` of the cycle: the held samples are the batch's last.
+
+        Args:
+            samples: samples the sampler produced at an earlier read, unchanged.
+            sources: the statuses recorded at that read.
+        """
+        self.samples.extend(samples)
+        self.held += len(samples)
+        self.sources.extend(sources)
+
+    def recorded(self) -> list[Sample]:
+        """The samples read this cycle: every sample but the :meth:`hold` ones (the timeline's)."""
+        return self.samples[: len(self.samples) - self.held] if self.held else self.samples
 
     def source_ok(self, source: str) -> None:
         """Record that ``source`` was read successfully this cycle."""

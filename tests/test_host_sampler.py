@@ -1137,3 +1137,185 @@ def test_read_text_keeps_files_open_yet_sees_new_content_and_deleted_files(
         host._read_text(str(f))
     f.write_text("MemTotal: 3 kB\n")  # a new file under the same name
     assert host._read_text(str(f)) == "MemTotal: 3 kB\n"
+
+
+# --- 10 Hz: the slower sources once a second ----------------------------------------------
+
+SLOW_SOURCES = ("diskstats", "netdev", "snmp", "numa")
+RETRANS = "kvpressure_net_tcp_retransmitted_segments_total"
+
+
+def test_at_10hz_disks_network_and_numa_are_read_once_a_second_and_held(tree: Tree) -> None:
+    now = 100.0
+    sampler = tree.sampler(interval_s=0.1)
+    sampler._now = lambda: now
+    first = collect(sampler)
+    assert first.held == 0
+    slow_first = [s for s in first if s.name.startswith(("kvpressure_disk_", "kvpressure_net_"))]
+    assert slow_first and series(first, "kvpressure_memory_tier_bytes")
+    tree.proc_file("net/snmp", SNMP.replace("Tcp: 1 314", "Tcp: 1 400"))
+    tree.proc_file("meminfo", MEMINFO.replace("10000000 kB", "9000000 kB"))
+    for k in range(1, 10):  # 0.1 s apart, jittered: none reaches the next read
+        now = 100.0 + k / 10 + (0.04 if k % 2 else -0.04)
+        batch = collect(sampler)
+        assert value(batch, RETRANS) == 314  # held
+        assert value(batch, "kvpressure_host_meminfo_available_bytes") == 9000000 * KB  # read
+        for source in SOURCES:
+            assert status(batch, source) == ("ok", "")
+        recorded = batch.recorded()
+        assert batch.samples[len(recorded) :] == [
+            s for s in first if s in batch.samples[len(recorded) :]
+        ]
+        assert not [s for s in recorded if s in slow_first or s.name == RETRANS]
+        assert value(batch, "kvpressure_disk_read_bytes_total", device="nvme0n1") == value(
+            first, "kvpressure_disk_read_bytes_total", device="nvme0n1"
+        )
+    now = 101.0
+    batch = collect(sampler)
+    assert batch.held == 0
+    assert value(batch, RETRANS) == 400
+
+
+def test_at_one_second_or_more_every_source_is_read_every_cycle(tree: Tree) -> None:
+    now = 100.0
+    sampler = tree.sampler(interval_s=1.0)
+    sampler._now = lambda: now
+    collect(sampler)
+    tree.proc_file("net/snmp", SNMP.replace("Tcp: 1 314", "Tcp: 1 400"))
+    now += 0.9  # a cycle that came a little early
+    batch = collect(sampler)
+    assert batch.held == 0
+    assert value(batch, RETRANS) == 400
+
+
+def test_a_failing_slow_source_keeps_its_status_between_reads(tree: Tree) -> None:
+    tree.proc_file("net/snmp", "Ip: Forwarding\nIp: 1\n")
+    now = 100.0
+    sampler = tree.sampler(interval_s=0.1)
+    sampler._now = lambda: now
+    assert status(collect(sampler), "snmp") == ("error", "missing_field")
+    tree.proc_file("net/snmp", SNMP)
+    now += 0.1
+    batch = collect(sampler)
+    assert status(batch, "snmp") == ("error", "missing_field")
+    assert value(batch, RETRANS) is None
+    now += 1.0
+    assert status(collect(sampler), "snmp") == ("ok", "")
+
+
+CGROUP_FIGURES = (
+    "kvpressure_host_cgroup_memory_limit_bytes",
+    "kvpressure_host_cgroup_memory_used_bytes",
+    "kvpressure_host_memory_total_bytes",
+    "kvpressure_host_memory_available_bytes",
+)
+
+
+def usage_cycle_matches_a_full_read(t: Tree) -> None:
+    """At 10 Hz a cycle between two full cgroup reads reads only the usage files the last
+    full read found; it must export what a full read of the same files would, once every
+    usage has changed."""
+    now = 100.0
+    fast = t.sampler(interval_s=0.1)
+    fast._now = lambda: now
+    collect(fast)
+    for f in (t.sys / "fs" / "cgroup").rglob("memory.*"):
+        if f.name in ("memory.current", "memory.usage_in_bytes"):
+            f.write_text(f"{int(f.read_text()) + GIB}\n")
+    now += 0.1
+    read: list[str] = []
+    real = host._read_text
+
+    def spy(path: str) -> str:
+        read.append(path)
+        return real(path)
+
+    host._read_text = spy  # type: ignore[assignment]
+    try:
+        got = collect(fast)
+    finally:
+        host._read_text = real  # type: ignore[assignment]
+    want = collect(t.sampler())
+    for name in CGROUP_FIGURES:
+        assert series(got, name) == series(want, name), name
+    assert status(got, "cgroup") == status(want, "cgroup")
+    full = [p for p in read if p.endswith(("/cgroup", ".max", "limit_in_bytes", "memory.stat"))]
+    # a clean full read is followed by usage reads alone; one that was not, by full reads
+    assert bool(full) is (status(want, "cgroup") != ("ok", ""))
+
+
+def test_cgroup_usage_cycles_match_full_reads(tmp_path: Path) -> None:
+    cases = {
+        "v2-ancestor-binds": (
+            "0::/kubepods/pod/ctr\n",
+            {
+                "kubepods/memory.max": 8 * GIB,
+                "kubepods/memory.current": 6 * GIB,
+                "kubepods/pod/memory.max": "max",
+                "kubepods/pod/memory.current": 5 * GIB,
+                "kubepods/pod/ctr/memory.max": 12 * GIB,
+                "kubepods/pod/ctr/memory.current": 1 * GIB,
+            },
+        ),
+        "v2-own-binds": (
+            "0::/kubepods/pod/ctr\n",
+            {"kubepods/memory.max": 8 * GIB, "kubepods/pod/ctr/memory.max": 4 * GIB,
+             "kubepods/pod/ctr/memory.current": 1 * GIB, "kubepods/memory.current": 6 * GIB},
+        ),
+        "v2-unlimited": ("0::/a\n", {"a/memory.max": "max", "a/memory.current": 7}),
+        "v2-garbage-limit": ("0::/\n", {"memory.max": "lots", "memory.current": 12}),
+        "v1-ancestor": (
+            "4:memory:/docker/abc\n0::/\n",
+            {
+                "memory/memory.limit_in_bytes": V1_UNLIMITED.strip(),
+                "memory/memory.usage_in_bytes": 9000000000,
+                "memory/docker/memory.limit_in_bytes": 4 * GIB,
+                "memory/docker/memory.usage_in_bytes": 3 * GIB,
+                "memory/docker/abc/memory.limit_in_bytes": V1_UNLIMITED.strip(),
+                "memory/docker/abc/memory.usage_in_bytes": 2 * GIB,
+                "memory/docker/abc/memory.stat": f"cache 0\nhierarchical_memory_limit {4 * GIB}",
+            },
+        ),
+    }  # fmt: skip
+    for name, (self_cgroup, files) in cases.items():
+        (tmp_path / name).mkdir()
+        t = Tree(tmp_path / name)
+        t.proc_file("meminfo", MEMINFO)
+        t.proc_file("self/cgroup", self_cgroup)
+        t.cgroup_file("cgroup.controllers", "memory\n")
+        for rel, content in files.items():
+            t.cgroup_file(rel, f"{content}\n")
+        usage_cycle_matches_a_full_read(t)
+
+
+def test_cgroup_limits_are_read_once_a_second_and_a_vanished_usage_file_reads_all(
+    tmp_path: Path,
+) -> None:
+    t = Tree(tmp_path)
+    t.proc_file("meminfo", MEMINFO)
+    t.proc_file("self/cgroup", "0::/kubepods/ctr\n")
+    t.cgroup_file("cgroup.controllers", "memory\n")
+    t.cgroup_file("kubepods/memory.max", f"{8 * GIB}\n")
+    t.cgroup_file("kubepods/memory.current", f"{6 * GIB}\n")
+    t.cgroup_file("kubepods/ctr/memory.max", "max\n")
+    t.cgroup_file("kubepods/ctr/memory.current", f"{1 * GIB}\n")
+    now = 100.0
+    sampler = t.sampler(interval_s=0.1)
+    sampler._now = lambda: now
+    limit, used = CGROUP_FIGURES[:2]
+    assert value(collect(sampler), limit) == 8 * GIB
+    t.cgroup_file("kubepods/memory.max", f"{7 * GIB}\n")  # an operator lowers the limit
+    t.cgroup_file("kubepods/ctr/memory.current", f"{2 * GIB}\n")
+    now += 0.1
+    batch = collect(sampler)
+    assert (value(batch, limit), value(batch, used)) == (8 * GIB, 2 * GIB)
+    now += 1.0
+    assert value(collect(sampler), limit) == 7 * GIB
+    # the agent moved to another cgroup (its own one removed): read in full that cycle
+    t.proc_file("self/cgroup", "0::/kubepods/new\n")
+    (t.sys / "fs/cgroup/kubepods/ctr/memory.current").unlink()
+    t.cgroup_file("kubepods/new/memory.current", f"{3 * GIB}\n")
+    now += 0.1
+    batch = collect(sampler)
+    assert (value(batch, limit), value(batch, used)) == (7 * GIB, 3 * GIB)
+    assert status(batch, "cgroup") == ("ok", "")

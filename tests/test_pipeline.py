@@ -385,3 +385,32 @@ def test_latest_many_answers_each_name_as_latest_does() -> None:
     assert many == {n: state.latest(n) for n in names}
     assert {dict(k)["engine"]: v for k, v in many[running].items()} == {"x": 1.0}
     assert many["kvpressure_engine_kv_cache_usage_ratio"] == {}
+
+
+def test_held_samples_are_current_values_but_not_new_timeline_points() -> None:
+    """A sample a sampler holds from an earlier read (:meth:`Batch.hold`) is exported and
+    read as the latest value, but the timeline keeps only the times it was read: a counter's
+    rate over a short window then spans the reads around it instead of a step to zero."""
+    state = AgentState(Timeline())
+    retrans, avail = (
+        "kvpressure_net_tcp_retransmitted_segments_total",
+        "kvpressure_host_memory_available_bytes",
+    )
+    first = Batch()
+    first.add(avail, 100)
+    first.add(retrans, 10)
+    state.publish(SamplerReport("host", 1.0, 0.0, True, "", first))
+    held = tuple(s for s in first.samples if s.name == retrans)
+    for k, value in enumerate((90, 80, 70), start=1):
+        b = Batch()
+        b.add(avail, value)
+        b.hold(held)
+        assert b.held == 1 and b.recorded() == [s for s in b.samples if s.name == avail]
+        state.publish(SamplerReport("host", 1.0 + k / 10, 0.0, True, "", b))
+        assert state.latest(retrans) == {(): 10.0}  # still exported, still the latest
+    last = Batch()
+    last.add(avail, 60)
+    last.add(retrans, 30)
+    state.publish(SamplerReport("host", 2.0, 0.0, True, "", last))
+    assert state.timeline.window(retrans) == {(): [(1.0, 10.0), (2.0, 30.0)]}
+    assert [v for _, v in state.timeline.window(avail)[()]] == [100, 90, 80, 70, 60]

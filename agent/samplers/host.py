@@ -32,6 +32,10 @@ when a source has several parts, such as three PSI files or several engine cgrou
 worst part wins and the others' samples are still exported). A source that fails never
 stops the others, and bad file contents never make :meth:`HostSampler.collect` raise.
 
+At an interval under :data:`SLOW_INTERVAL_S` (10 Hz), ``diskstats``, ``netdev``, ``snmp``,
+``numa`` and the agent's cgroup limits are read once a second and held in between; at one
+second or more every source is read every cycle.
+
 Slow-changing decisions are cached and re-evaluated every :data:`REFRESH_S` seconds: which
 block devices are whole physical disks, the NUMA node list and their CPU lists, the
 agent's cgroup directories, and where each engine's cgroup lives. PSI found unsupported
@@ -56,7 +60,7 @@ from kvpressure.agent.discovery import LOOPBACK_HOSTS
 from kvpressure.agent.pipeline import Context, Plan, Stage, register
 from kvpressure.agent.samplers.base import LogOnce, Sampler
 from kvpressure.agent.samplers.proctree import ProcessTreeCpu
-from kvpressure.agent.samples import Batch
+from kvpressure.agent.samples import Batch, Sample, SourceStatus
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +74,15 @@ UNLIMITED_BYTES = 1 << 62
 
 REFRESH_S = 60.0
 """Seconds between re-evaluations of cached directory listings and classifications."""
+
+SLOW_INTERVAL_S: Final = 1.0
+"""Seconds between reads of the slower sources when the sampler runs more often: disks
+(``diskstats``), network (``netdev``, ``snmp``), NUMA tiers (``numa``) and the agent's cgroup
+memory limits. Memory, swap, paging, PSI and CPU time are the pressure signals a request's
+phases are judged by and are read every cycle; the slower sources are counters whose rates
+are read over whole request phases (and NUMA tiers, read by the capacity stage every
+second). Between reads their last samples are held (:meth:`agent.samples.Batch.hold`):
+exported, but not recorded in the timeline again, so rates span their real reads."""
 
 PSI_REPROBE_S = 600.0
 """Seconds between probes of a PSI found unsupported (missing or disabled at boot)."""
@@ -632,6 +645,22 @@ class CgroupMemory:
     usage: int | None
 
 
+@dataclass(frozen=True, slots=True)
+class _CgroupLimits:
+    """What a full read of the agent's cgroup found, for the usage reads between.
+
+    Attributes:
+        limit: as :attr:`CgroupMemory.limit`.
+        own_usage_file: the usage file of the agent's own (deepest) cgroup that read.
+        limit_usage_file: the usage file of the cgroup that holds ``limit``; None when
+            unlimited or when that cgroup's usage did not read.
+    """
+
+    limit: int | None
+    own_usage_file: str
+    limit_usage_file: str | None
+
+
 class _Status:
     """The worst status of a source's parts: error over unsupported over ok."""
 
@@ -761,6 +790,12 @@ class HostSampler(Sampler):
         self._engine_dirs: dict[str, tuple[str | None, float]] = {}
         self._ifaces: tuple[tuple[str, ...], list[str], float] = ((), [], 0.0)
         self._psi_off: tuple[str, float] | None = None  # (reason, re-probe at)
+        # the slower sources (SLOW_INTERVAL_S): read at _slow_at, held in between
+        self._slow_every = interval_s < SLOW_INTERVAL_S
+        self._slow_at = 0.0
+        self._slow_held: tuple[tuple[Sample, ...], tuple[SourceStatus, ...]] | None = None
+        # the agent's cgroup limits, read with the slower sources (see _collect_cgroup)
+        self._cg_limits: _CgroupLimits | None = None
         self._psi_hint = ""
 
     # --- framework ---------------------------------------------------------------------
@@ -783,9 +818,11 @@ class HostSampler(Sampler):
         Args:
             batch: the batch to fill.
         """
+        held = self._slow_held
+        slow = self._slow_due() or held is None
         info = self._run("meminfo", batch, self._collect_meminfo)
         cgroup = (
-            self._run("cgroup", batch, self._collect_cgroup)
+            self._run("cgroup", batch, lambda b: self._collect_cgroup(b, slow))
             if self.memory_cgroup == "self"
             else None
         )
@@ -798,10 +835,30 @@ class HostSampler(Sampler):
             self._run("cgroup_memory", batch, self._collect_engine_memory)
         if self.engines:
             self._run("engine_cpu", batch, self._collect_engine_cpu)
+        if not slow and held is not None:
+            batch.hold(*held)
+            return
+        n, m = len(batch.samples), len(batch.sources)
         self._run("diskstats", batch, self._collect_diskstats)
         self._run("netdev", batch, self._collect_netdev)
         self._run("snmp", batch, self._collect_snmp)
         self._run("numa", batch, lambda b: self._collect_numa(b, info))
+        self._slow_held = (tuple(batch.samples[n:]), tuple(batch.sources[m:]))
+
+    def _slow_due(self) -> bool:
+        """Whether this cycle reads the slower sources (see :data:`SLOW_INTERVAL_S`).
+
+        Always at an interval of :data:`SLOW_INTERVAL_S` or more; otherwise when about a
+        second has passed since they were last read (half an interval early, so 10
+        cycles at 0.1 s make one read however their start times jitter).
+        """
+        if not self._slow_every:
+            return True
+        now = self._now()
+        if now < self._slow_at:
+            return False
+        self._slow_at = now + SLOW_INTERVAL_S - self.interval_s / 2
+        return True
 
     def _run(self, source: str, batch: Batch, fn: Callable[[Batch], T]) -> T | None:
         """Run one source; an exception becomes a source error, never a sampler failure."""
@@ -900,7 +957,50 @@ class HostSampler(Sampler):
         self._cg_dirs = (text, dirs, now + REFRESH_S)
         return dirs
 
-    def _collect_cgroup(self, batch: Batch) -> CgroupMemory | None:
+    def _collect_cgroup(self, batch: Batch, slow: bool) -> CgroupMemory | None:
+        """The agent's cgroup memory: the lowest limit up its tree, and usages.
+
+        The limit is the lowest of the agent's cgroup and its ancestors; the usages are
+        those charged to its own cgroup and to the one whose limit binds. A full read
+        (``/proc/self/cgroup``, then every level's limit and usage) comes with the slower
+        sources (:data:`SLOW_INTERVAL_S`); in between, only the one or two usage files that
+        read found are read again (the limits change when an operator changes them, the
+        usage any time). A full read runs every cycle while the last one was not
+        clean, and in place of a usage read that fails.
+        """
+        lim = self._cg_limits
+        if not slow and lim is not None:
+            got = self._cgroup_usage(batch, lim)
+            if got is not None:
+                return got
+        return self._cgroup_full(batch)
+
+    def _cgroup_usage(self, batch: Batch, lim: _CgroupLimits) -> CgroupMemory | None:
+        """The usage half of :meth:`_collect_cgroup`; ``None`` when a file did not read."""
+
+        def usage(path: str) -> int | None:
+            try:
+                value = _int(_read_text(path).strip())
+            except OSError:
+                return None
+            return value if value is not None and value >= 0 else None
+
+        own = usage(lim.own_usage_file)
+        if own is None:
+            return None
+        if lim.limit_usage_file is None or lim.limit_usage_file == lim.own_usage_file:
+            limit_usage: int | None = own if lim.limit_usage_file else None
+        elif (limit_usage := usage(lim.limit_usage_file)) is None:
+            return None
+        result = CgroupMemory(lim.limit, limit_usage, own)
+        batch.add("kvpressure_host_cgroup_memory_limit_bytes", result.limit)
+        batch.add("kvpressure_host_cgroup_memory_used_bytes", result.usage)
+        self._ok(batch, "cgroup")
+        return result
+
+    def _cgroup_full(self, batch: Batch) -> CgroupMemory | None:
+        """The full read of :meth:`_collect_cgroup`; keeps what the usage reads need."""
+        self._cg_limits = None
         try:
             text = _read_text(self._p_self_cgroup)
         except FileNotFoundError:
@@ -914,8 +1014,8 @@ class HostSampler(Sampler):
         status = _Status()
         found = False
         limits: list[tuple[int, str]] = []  # (limit, dir)
-        usages: dict[str, int] = {}
-        own_usage: int | None = None
+        usages: dict[str, tuple[int, str]] = {}  # dir -> (usage, its file)
+        own_usage: tuple[int, str] | None = None
 
         def as_int(path: str, raw: str) -> int | None:
             value = _int(raw)
@@ -943,9 +1043,9 @@ class HostSampler(Sampler):
                 found = True
                 usage = as_int(path, raw)
                 if usage is not None and usage >= 0:
-                    usages[d] = usage
+                    usages[d] = (usage, path)
                     if own_usage is None:
-                        own_usage = usage
+                        own_usage = usages[d]
             if version == 1 and (i == 0 or dirs[i - 1][0] != 1):
                 # v1 leaf: hierarchical_memory_limit covers ancestors we cannot see.
                 raw = status.read(os.path.join(d, "memory.stat"))
@@ -965,10 +1065,19 @@ class HostSampler(Sampler):
             )
             return None
         limit, limit_dir = min(limits) if limits else (None, "")
-        result = CgroupMemory(limit, usages.get(limit_dir), own_usage)
+        at_limit = usages.get(limit_dir)
+        result = CgroupMemory(
+            limit,
+            None if at_limit is None else at_limit[0],
+            None if own_usage is None else own_usage[0],
+        )
         batch.add("kvpressure_host_cgroup_memory_limit_bytes", result.limit)
         batch.add("kvpressure_host_cgroup_memory_used_bytes", result.usage)
         self._finish(batch, "cgroup", status)
+        if status.state == "ok" and own_usage is not None:
+            self._cg_limits = _CgroupLimits(
+                limit, own_usage[1], None if at_limit is None else at_limit[1]
+            )
         return result
 
     def _add_effective_memory(

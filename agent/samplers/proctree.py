@@ -73,19 +73,20 @@ class ProcStat:
     start: int
 
 
-def parse_stat(text: str) -> ProcStat | None:
-    """Parse one ``/proc/<pid>/stat`` line.
+def parse_stat(text: str | bytes) -> ProcStat | None:
+    """Parse one ``/proc/<pid>/stat`` line, as read (bytes) or decoded.
 
     The command name (field 2) is in parentheses and may itself hold spaces and
-    parentheses, so fields are counted from the last ``)``.
+    parentheses (and any byte), so fields are counted from the last ``)``; only the fields
+    up to ``starttime`` are split off (the line has about 50).
 
     Returns:
         The :class:`ProcStat`, or ``None`` for a line that does not parse (never raises).
     """
-    _, sep, rest = text.rpartition(")")
+    _, sep, rest = text.rpartition(b")") if isinstance(text, bytes) else text.rpartition(")")
     if not sep:
         return None
-    f = rest.split()
+    f = rest.split(None, 20)
     if len(f) < 20:
         return None
     try:
@@ -158,7 +159,7 @@ class ProcessTreeCpu:
         if got is None:
             return None
         os.close(got[0])
-        return parse_stat(got[1].decode("utf-8", "replace"))
+        return parse_stat(got[1])
 
     def _member_stat(self, pid: int) -> ProcStat | None:
         """Read a tree member's ``stat`` through its kept descriptor (see the module doc).
@@ -172,7 +173,7 @@ class ProcessTreeCpu:
             except OSError:  # ESRCH: the process this descriptor was opened on is gone
                 data = b""
             if data:
-                return parse_stat(data.decode("utf-8", "replace"))
+                return parse_stat(data)
             self._close(pid)
         got = self._open_stat(pid)
         if got is None:
@@ -182,7 +183,7 @@ class ProcessTreeCpu:
             self._fds[pid] = fd
         else:
             os.close(fd)
-        return parse_stat(data.decode("utf-8", "replace"))
+        return parse_stat(data)
 
     def _close(self, pid: int) -> None:
         fd = self._fds.pop(pid, None)
