@@ -1319,3 +1319,30 @@ def test_cgroup_limits_are_read_once_a_second_and_a_vanished_usage_file_reads_al
     batch = collect(sampler)
     assert (value(batch, limit), value(batch, used)) == (7 * GIB, 3 * GIB)
     assert status(batch, "cgroup") == ("ok", "")
+
+
+def test_engine_cgroup_limits_at_10hz_are_read_once_a_second_and_their_errors_kept(
+    tree: Tree,
+) -> None:
+    d = "system.slice/vllm.service"
+    tree.cgroup_file(f"{d}/memory.current", "1000\n")
+    tree.cgroup_file(f"{d}/memory.max", "4096\n")
+    tree.cgroup_file(f"{d}/memory.high", "lots\n")
+    now = 100.0
+    sampler = tree.sampler(interval_s=0.1, engine_cgroups={"vllm": "vllm.service"})
+    sampler._now = lambda: now
+    batch = collect(sampler)
+    assert value(batch, CG_LIMIT, scope="vllm", limit="max") == 4096
+    assert status(batch, "cgroup_memory") == ("error", "parse_error")
+    tree.cgroup_file(f"{d}/memory.current", "2000\n")
+    tree.cgroup_file(f"{d}/memory.max", "8192\n")
+    tree.cgroup_file(f"{d}/memory.high", "max\n")
+    now += 0.1
+    batch = collect(sampler)  # the charge read again, the limits repeated with their error
+    assert value(batch, CG_USED, scope="vllm") == 2000
+    assert value(batch, CG_LIMIT, scope="vllm", limit="max") == 4096
+    assert status(batch, "cgroup_memory") == ("error", "parse_error")
+    now += 1.0
+    batch = collect(sampler)
+    assert value(batch, CG_LIMIT, scope="vllm", limit="max") == 8192
+    assert status(batch, "cgroup_memory") == ("ok", "")

@@ -33,8 +33,9 @@ worst part wins and the others' samples are still exported). A source that fails
 stops the others, and bad file contents never make :meth:`HostSampler.collect` raise.
 
 At an interval under :data:`SLOW_INTERVAL_S` (10 Hz), ``diskstats``, ``netdev``, ``snmp``,
-``numa`` and the agent's cgroup limits are read once a second and held in between; at one
-second or more every source is read every cycle.
+``numa`` and the cgroup memory limits (the agent's and the engines') are read once a second
+(the slower sources' samples held in between, the limits repeated); at one second or more
+every source is read every cycle.
 
 Slow-changing decisions are cached and re-evaluated every :data:`REFRESH_S` seconds: which
 block devices are whole physical disks, the NUMA node list and their CPU lists, the
@@ -796,6 +797,10 @@ class HostSampler(Sampler):
         self._slow_held: tuple[tuple[Sample, ...], tuple[SourceStatus, ...]] | None = None
         # the agent's cgroup limits, read with the slower sources (see _collect_cgroup)
         self._cg_limits: _CgroupLimits | None = None
+        # each engine cgroup's (dir, limits, status of their reads), read with the slower ones
+        self._engine_limits: dict[
+            str, tuple[str, tuple[tuple[str, int], ...], tuple[str, str, str]]
+        ] = {}
         self._psi_hint = ""
 
     # --- framework ---------------------------------------------------------------------
@@ -832,7 +837,7 @@ class HostSampler(Sampler):
         self._run("cpu", batch, self._collect_cpu)
         if self.engine_cgroups:
             self._run("psi_cgroup", batch, self._collect_psi_cgroup)
-            self._run("cgroup_memory", batch, self._collect_engine_memory)
+            self._run("cgroup_memory", batch, lambda b: self._collect_engine_memory(b, slow))
         if self.engines:
             self._run("engine_cpu", batch, self._collect_engine_cpu)
         if not slow and held is not None:
@@ -1274,7 +1279,30 @@ class HostSampler(Sampler):
                 self._add_psi(batch, resource, text, scope=engine, status=status, where=f"{d}/")
         self._finish(batch, "psi_cgroup", status)
 
-    def _collect_engine_memory(self, batch: Batch) -> None:
+    def _engine_memory_limits(
+        self, d: str
+    ) -> tuple[tuple[tuple[str, int], ...], tuple[str, str, str]]:
+        """An engine cgroup's ``memory.max`` and ``memory.high``, and how their reads went.
+
+        Returns:
+            ``((limit, bytes), ...)`` (an unlimited one absent) and the worst status of the
+            two reads as ``(state, reason, detail)``.
+        """
+        status = _Status()
+        limits: list[tuple[str, int]] = []
+        for limit in ("max", "high"):
+            path = os.path.join(d, f"memory.{limit}")
+            raw = status.read(path)
+            if raw is None or raw == "max":
+                continue
+            n = _int(raw)
+            if n is None:
+                status.set("error", "parse_error", f"{path}: {raw[:40]!r}")
+            elif (value := _limit(n)) is not None:
+                limits.append((limit, value))
+        return tuple(limits), (status.state, status.reason, status.detail)
+
+    def _collect_engine_memory(self, batch: Batch, slow: bool) -> None:
         """Each engine's cgroup v2 memory: charge, limits and limit events.
 
         ``memory.current`` → ``kvpressure_cgroup_memory_used_bytes{scope}``; ``memory.max``
@@ -1282,6 +1310,8 @@ class HostSampler(Sampler):
         when ``max``: unlimited); ``memory.events`` → ``kvpressure_cgroup_memory_events_total
         {scope,event}`` for :data:`CGROUP_MEMORY_EVENTS`. A cgroup without these files (the
         memory controller not enabled for it) is ``unsupported``; one not found is an error.
+        The limits are read with the slower sources (``slow``, :data:`SLOW_INTERVAL_S`) and
+        when the engine's cgroup moved; the charge and the events every cycle.
         """
         status = _Status()
         for engine, spec in self.engine_cgroups.items():
@@ -1304,18 +1334,14 @@ class HostSampler(Sampler):
                 status.set("error", "parse_error", f"{path}: {raw[:40]!r}")
             else:
                 batch.add("kvpressure_cgroup_memory_used_bytes", current, scope=engine)
-            for limit in ("max", "high"):
-                path = os.path.join(d, f"memory.{limit}")
-                raw = status.read(path)
-                if raw is None or raw == "max":
-                    continue
-                n = _int(raw)
-                if n is None:
-                    status.set("error", "parse_error", f"{path}: {raw[:40]!r}")
-                elif (value := _limit(n)) is not None:
-                    batch.add(
-                        "kvpressure_cgroup_memory_limit_bytes", value, scope=engine, limit=limit
-                    )
+            known = self._engine_limits.get(engine)
+            if slow or known is None or known[0] != d:
+                known = self._engine_limits[engine] = (d, *self._engine_memory_limits(d))
+            _, limits, (state, reason, detail) = known
+            if state != "ok":
+                status.set(state, reason, detail)
+            for limit, value in limits:
+                batch.add("kvpressure_cgroup_memory_limit_bytes", value, scope=engine, limit=limit)
             raw = status.read(os.path.join(d, "memory.events"))
             events = parse_kv(raw, CGROUP_MEMORY_EVENTS) if raw is not None else {}
             for event in CGROUP_MEMORY_EVENTS:
