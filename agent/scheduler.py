@@ -18,9 +18,15 @@ most half the interval (a transient: the machine was busy). A sampler whose
 ``thread_group`` is ``None`` always has a thread of its own.
 
 A derived stage registered with ``after`` (the accelerator, after ``gpu``) instead runs
-on its own thread right after each report of those sources, so it reads the state of the
-same tick. :meth:`Runners.check_timeouts` (called by the daemon's watchdog on the event
-loop) marks a sampler down (``kvpressure_sampler_up 0``, reason ``timeout``) as soon as a
+right after each report of those sources, on the thread that published it (inside the
+source's collection as the watchdog sees it), so it reads the state of the same tick with
+the source's samples still in cache and no thread is woken for it (a thread of its own
+woken ten times a second pays a wake-up each time: about 0.1 % of a core on the README's VM,
+less than ``benchmarks/node_stages.py`` can tell from its noise). Such a stage must be
+quick and never block: a stuck one holds its source's thread as a stuck source would.
+
+:meth:`Runners.check_timeouts` (called by the daemon's watchdog on the event loop) marks a
+sampler down (``kvpressure_sampler_up 0``, reason ``timeout``) as soon as a
 collection runs past its ``timeout_s``; its late result is discarded.
 """
 
@@ -53,8 +59,9 @@ class SamplerRunner:
         state: where reports go.
         spec: a hashable description of how the sampler was built; the daemon keeps the
             runner across reloads when the spec is unchanged (so counter state survives).
-        triggered: run after each :meth:`trigger` (a derived stage with ``after``) instead of
-            on the sampler's interval.
+        triggered: run by each :meth:`trigger`, on the caller's thread (a derived stage with
+            ``after``, called by the thread that published its source's report), instead of
+            on the sampler's interval; no thread of its own.
         group: the thread group to run in; ``None``: a thread of its own.
         home: returns the live group to rejoin after a spell on its own thread (a group
             whose members all left has ended; :class:`Runners` then makes a new one);
@@ -79,13 +86,15 @@ class SamplerRunner:
         self._rejoin_after = REJOIN_AFTER
         self._stop = threading.Event()
         self._done = threading.Event()
-        self._wake = threading.Event()
         self._lock = threading.Lock()
         self._running_since: float | None = None
         self._timed_out = False
+        self._inline = threading.Lock()  # a triggered runner: one trigger or stop at a time
 
     def start(self) -> None:
-        """Start the sampler thread (or join its thread group)."""
+        """Start the sampler thread (or join its thread group); a triggered one has none."""
+        if self.triggered:
+            return
         group = self._group
         if group is None or not group.add(self):
             self._group = None
@@ -97,9 +106,16 @@ class SamplerRunner:
         ).start()
 
     def stop(self) -> None:
-        """Ask the thread to stop after its current collection; does not wait."""
+        """Ask the thread to stop after its current collection; does not wait.
+
+        A triggered runner is closed here, once a collection running on a trigger is done.
+        """
         self._stop.set()
-        self._wake.set()
+        if self.triggered:
+            with self._inline:
+                if not self._done.is_set():
+                    self.finish()
+            return
         group = self._group
         if group is not None:
             group.wake()
@@ -134,8 +150,18 @@ class SamplerRunner:
         self._done.set()
 
     def trigger(self) -> None:
-        """Wake a triggered runner: a source it runs after has published a report."""
-        self._wake.set()
+        """Run a triggered runner's collection now, on this thread, and publish it.
+
+        Called by :class:`Runners` when a source the stage runs after has published a
+        report; nothing once :meth:`stop` was called. Never raises (as :meth:`once`).
+        """
+        with self._inline:
+            if self._stop.is_set():
+                return
+            try:
+                self.once()
+            except Exception:  # the source's thread must go on
+                log.exception("derived stage failed", extra={"kv": {"sampler": self.sampler.name}})
 
     def join(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for the sampler to be closed; True when it was."""
@@ -191,13 +217,6 @@ class SamplerRunner:
         next_t = time.monotonic()
         quick = 0  # collections in a row within a quarter of the interval (then it rejoins)
         while not self._stop.is_set():
-            if self.triggered:
-                self._wake.wait()
-                self._wake.clear()
-                if self._stop.is_set():
-                    break
-                self.once()
-                continue
             t0 = time.monotonic()
             self.once()
             now = time.monotonic()
