@@ -4,11 +4,13 @@ Builds every stage of ``benchmarks/node_cost.py``'s ``node`` scenario (host and 
 at 0.1 s, 8 vLLM engines serving the real 51 KB exposition, fully scraped at 1 s, their KV
 usage, running and waiting read at 0.1 s) as the daemon builds them, and runs them with the
 daemon's scheduler (:class:`agent.scheduler.Runners`: one thread per interval, the
-accelerator on its own, the watchdog every 0.1 s) for ``--seconds``. Each collection's CPU
-(``time.thread_time``, on the thread that runs it, publication included) is added to its
-stage, and each thread group's :meth:`~agent.pipeline.Sampler.prepare` calls (the engines'
-GETs sent ahead) to ``prepare``. Prints the process's CPU, each stage's share of a core and
-its CPU per collection, and the rest (NVML worker threads, thread wake-ups and hand-offs,
+accelerator right after each GPU report on the GPU's thread, the watchdog every 0.1 s) for
+``--seconds``. Each collection's CPU (``time.thread_time``, on the thread that runs it,
+publication included, less the stages its publication ran: the accelerator's is its own, not
+the GPU sampler's) is added to its stage, and each thread group's
+:meth:`~agent.pipeline.Sampler.prepare` calls (the engines' GETs sent ahead) to
+``prepare``. Prints the process's CPU, each stage's share of a core and its CPU per
+collection, and the rest (NVML worker threads, thread wake-ups and hand-offs,
 the garbage collector), the breakdown ``node_cost.py`` cannot give (it sees one process).
 
 The fake NVML is Python and runs inside the GPU stage's worker threads (``the rest``); a real
@@ -59,12 +61,19 @@ def main() -> int:
     lock = threading.Lock()
     once, prepare = scheduler.SamplerRunner.once, scheduler.SamplerRunner.prepare
 
+    nested = threading.local()  # CPU of stages run inside this one (the accelerator's)
+
     def timed_once(runner: scheduler.SamplerRunner) -> None:
+        outer = getattr(nested, "spent", None)
+        nested.spent = 0.0
         t0 = time.thread_time()
         once(runner)
         spent = time.thread_time() - t0
+        inner, nested.spent = nested.spent, outer
+        if outer is not None:
+            nested.spent = outer + spent
         with lock:
-            cpu[stage_of(runner.sampler.name)] += spent
+            cpu[stage_of(runner.sampler.name)] += spent - inner
             calls[stage_of(runner.sampler.name)] += 1
 
     def timed_prepare(runner: scheduler.SamplerRunner) -> None:
