@@ -75,7 +75,7 @@ from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Se
 from dataclasses import dataclass
 from email.utils import formatdate
 from http import HTTPStatus
-from typing import Any, Final
+from typing import Any, Final, Generic, TypeVar
 from urllib.parse import parse_qsl, unquote
 
 import h11
@@ -925,13 +925,7 @@ class _Connection(asyncio.Protocol):
         self._timer = None
         if self.served or self._closed:
             return
-        self.server.header_timeouts += 1
-        self.server.log_limited(
-            "header-timeout",
-            logging.INFO,
-            "closed connections that sent no request head in time",
-            kv={"listener": self.server.name, "header_timeout_s": self.server.header_timeout_s},
-        )
+        self.server.cap.count_header_timeout()
         self.close()
 
     def _idle_deadline(self) -> None:
@@ -996,6 +990,97 @@ def _http_date() -> bytes:
     return bytes(_date[1])
 
 
+# ---- the cap ----------------------------------------------------------------------------------
+ConnT = TypeVar("ConnT")
+
+
+class CapPolicy(Generic[ConnT]):
+    """The connection cap every listener of the agent applies, with its counters and log.
+
+    The agent's own listener (:class:`HttpServer`) and the request proxies' aiohttp
+    listeners (:class:`agent.listener.ConnectionCap`) keep their open connections each
+    their own way; this is what they share (see the module doc, *Cap* and *Header
+    timeout*): which connection is closed to make room for a new one, what is counted and
+    the rate-limited log lines. ``ConnT`` is the listener's connection type.
+
+    Args:
+        name: the listener, for log lines (e.g. ``"api 127.0.0.1:9470"``).
+        max_connections: open connections allowed at once (can be changed while serving).
+        header_timeout_s: seconds a new connection has to send its first request head.
+
+    Attributes:
+        closed_idle: idle connections closed to make room, since start.
+        refused: connections refused (503) because every open one was busy, since start.
+        header_timeouts: connections closed for not sending a request head in time.
+        log_limited: the listener's rate-limited log (one line per kind per
+            :data:`LOG_PERIOD_S`, with the count since the last).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        max_connections: int = MAX_CONNECTIONS,
+        header_timeout_s: float = HEADER_TIMEOUT_S,
+    ) -> None:
+        self.name = name
+        self.max_connections = max_connections
+        self.header_timeout_s = header_timeout_s
+        self.closed_idle = 0
+        self.refused = 0
+        self.header_timeouts = 0
+        self.log_limited = RateLimitedLog(log, LOG_PERIOD_S)
+
+    @staticmethod
+    def victim(idle: Iterable[ConnT], served: Callable[[ConnT], bool]) -> ConnT | None:
+        """The connection to close for a new one at the cap.
+
+        Args:
+            idle: the open connections with no request being handled, in accept order.
+            served: whether a connection has sent a request.
+
+        Returns:
+            The oldest that never sent a request, else the oldest; ``None`` when every
+            connection is busy (the new one is then refused).
+        """
+        first = None
+        for conn in idle:
+            if not served(conn):
+                return conn
+            if first is None:
+                first = conn
+        return first
+
+    def count_evicted(self) -> None:
+        """An idle connection was closed to make room: count and log it."""
+        self.closed_idle += 1
+        self.log_limited(
+            "evicted",
+            logging.WARNING,
+            "connection cap reached: closed idle connections to admit new ones",
+            kv={"listener": self.name, "max_connections": self.max_connections},
+        )
+
+    def count_refused(self) -> None:
+        """A new connection was refused, every open one busy: count and log it."""
+        self.refused += 1
+        self.log_limited(
+            "refused",
+            logging.WARNING,
+            "connection refused: every connection is busy",
+            kv={"listener": self.name, "max_connections": self.max_connections},
+        )
+
+    def count_header_timeout(self) -> None:
+        """A connection was closed for sending no request head in time: count and log it."""
+        self.header_timeouts += 1
+        self.log_limited(
+            "header-timeout",
+            logging.INFO,
+            "closed connections that sent no request head in time",
+            kv={"listener": self.name, "header_timeout_s": self.header_timeout_s},
+        )
+
+
 # ---- the server -------------------------------------------------------------------------------
 class HttpServer:
     """One bounded listener serving ``routes`` (see the module docstring).
@@ -1009,9 +1094,7 @@ class HttpServer:
         idle_timeout_s: seconds a kept-alive connection may wait for its next request.
 
     Attributes:
-        closed_idle: idle connections closed to make room, since start.
-        refused: connections refused (503) because every open one was busy, since start.
-        header_timeouts: connections closed for not sending a request head in time.
+        cap: the connection cap, its counters and the listener's rate-limited log.
         port: the bound port once :meth:`start` returned.
     """
 
@@ -1025,12 +1108,10 @@ class HttpServer:
         idle_timeout_s: float = IDLE_TIMEOUT_S,
     ) -> None:
         self.name = name
-        self.max_connections = max_connections
+        self.cap: CapPolicy[_Connection] = CapPolicy(name, max_connections, header_timeout_s)
+        self.log_limited = self.cap.log_limited
         self.header_timeout_s = header_timeout_s
         self.idle_timeout_s = idle_timeout_s
-        self.closed_idle = 0
-        self.refused = 0
-        self.header_timeouts = 0
         self.port: int | None = None
         self._routes: dict[str, dict[str, Handler]] = {}
         for r in routes:
@@ -1038,7 +1119,15 @@ class HttpServer:
         self._middlewares = tuple(middlewares)
         self._conns: dict[_Connection, None] = {}  # open connections, in accept order
         self._server: asyncio.Server | None = None
-        self.log_limited = RateLimitedLog(log, LOG_PERIOD_S)
+
+    @property
+    def max_connections(self) -> int:
+        """Open connections allowed at once (the daemon changes it on reload)."""
+        return self.cap.max_connections
+
+    @max_connections.setter
+    def max_connections(self, value: int) -> None:
+        self.cap.max_connections = value
 
     @property
     def connections(self) -> int:
@@ -1090,14 +1179,8 @@ class HttpServer:
     # the cap
     def admit(self, conn: _Connection) -> bool:
         """Take ``conn`` in, making room by closing an idle one at the cap; False: refuse it."""
-        if len(self._conns) >= self.max_connections and not self._make_room():
-            self.refused += 1
-            self.log_limited(
-                "refused",
-                logging.WARNING,
-                "connection refused: every connection is busy",
-                kv={"listener": self.name, "max_connections": self.max_connections},
-            )
+        if len(self._conns) >= self.cap.max_connections and not self._make_room():
+            self.cap.count_refused()
             return False
         self._conns[conn] = None
         return True
@@ -1107,25 +1190,12 @@ class HttpServer:
         self._conns.pop(conn, None)
 
     def _make_room(self) -> bool:
-        victim = None
-        for c in self._conns:  # oldest first
-            if not c.busy:
-                if not c.served:
-                    victim = c
-                    break
-                if victim is None:
-                    victim = c
+        victim = self.cap.victim((c for c in self._conns if not c.busy), lambda c: c.served)
         if victim is None:
             return False
         self._conns.pop(victim, None)
         victim.close()
-        self.closed_idle += 1
-        self.log_limited(
-            "evicted",
-            logging.WARNING,
-            "connection cap reached: closed idle connections to admit new ones",
-            kv={"listener": self.name, "max_connections": self.max_connections},
-        )
+        self.cap.count_evicted()
         return True
 
     # routing

@@ -37,7 +37,13 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestHandler
 
-from kvpressure.agent.httpd import HEADER_TIMEOUT_S, IDLE_TIMEOUT_S, LOG_PERIOD_S, MAX_CONNECTIONS
+from kvpressure.agent.httpd import (
+    HEADER_TIMEOUT_S,
+    IDLE_TIMEOUT_S,
+    LOG_PERIOD_S,
+    MAX_CONNECTIONS,
+    CapPolicy,
+)
 from kvpressure.agent.logs import RateLimitedLog
 
 log = logging.getLogger(__name__)
@@ -47,21 +53,18 @@ _REFUSE: Final = (
 )
 
 
-class ConnectionCap:
+class ConnectionCap(CapPolicy[RequestHandler]):
     """The connection cap and header timeout of one aiohttp listener (see the module doc).
 
     Use :attr:`middleware` in the application (it marks connections busy while a request
-    is handled) and :class:`BoundedSite` to bind it.
+    is handled) and :class:`BoundedSite` to bind it. The policy, the counters and the log
+    lines are the agent's own listener's (:class:`agent.httpd.CapPolicy`); this keeps
+    aiohttp's connections.
 
     Args:
         name: the listener, for log lines (e.g. ``"api 127.0.0.1:9470"``).
         max_connections: open connections allowed at once.
         header_timeout_s: seconds a new connection has to send its first request head.
-
-    Attributes:
-        closed_idle: idle connections closed to make room, since start.
-        refused: connections refused (503) because every open one was busy, since start.
-        header_timeouts: connections closed for not sending a request head in time.
     """
 
     def __init__(
@@ -70,19 +73,13 @@ class ConnectionCap:
         max_connections: int = MAX_CONNECTIONS,
         header_timeout_s: float = HEADER_TIMEOUT_S,
     ) -> None:
-        self.name = name
-        self.max_connections = max_connections
-        self.header_timeout_s = header_timeout_s
-        self.closed_idle = 0
-        self.refused = 0
-        self.header_timeouts = 0
+        super().__init__(name, max_connections, header_timeout_s)
         self._busy: Counter[RequestHandler] = Counter()
         # Connections admitted (loop time) / that sent a request / that are being closed;
         # pruned to the open ones at every accept (aiohttp's handlers take no weak refs).
         self._made: dict[RequestHandler, float] = {}
         self._served: set[RequestHandler] = set()
         self._closing: set[RequestHandler] = set()
-        self._log = RateLimitedLog(log, LOG_PERIOD_S)
 
     @web.middleware
     async def middleware(
@@ -117,13 +114,7 @@ class ConnectionCap:
             self._closing &= live
             admitted = len(self._made) - len(self._closing)
             if admitted >= self.max_connections and not self._make_room(loop):
-                self.refused += 1
-                self._log(
-                    "refused",
-                    logging.WARNING,
-                    "connection refused: every connection is busy",
-                    kv={"listener": self.name, "max_connections": self.max_connections},
-                )
+                self.count_refused()
                 return _Refuse()
             handler = server()
             self._made[handler] = now
@@ -133,10 +124,10 @@ class ConnectionCap:
         return factory
 
     def _make_room(self, loop: asyncio.AbstractEventLoop) -> bool:
-        idle = [c for c in self._made if c not in self._busy and c not in self._closing]
-        victim = next((c for c in idle if c not in self._served), None)
-        if victim is None:
-            victim = idle[0] if idle else None
+        victim = self.victim(
+            (c for c in self._made if c not in self._busy and c not in self._closing),
+            self._served.__contains__,
+        )
         if victim is None:
             return False
         self._closing.add(victim)
@@ -144,13 +135,7 @@ class ConnectionCap:
         # connection_made callback already queued; force_close before that would leave
         # the transport open.
         loop.call_soon(victim.force_close)
-        self.closed_idle += 1
-        self._log(
-            "evicted",
-            logging.WARNING,
-            "connection cap reached: closed idle connections to admit new ones",
-            kv={"listener": self.name, "max_connections": self.max_connections},
-        )
+        self.count_evicted()
         return True
 
     def _header_deadline(self, handler: RequestHandler) -> None:
@@ -158,13 +143,7 @@ class ConnectionCap:
             return
         self._closing.add(handler)
         handler.force_close()
-        self.header_timeouts += 1
-        self._log(
-            "header-timeout",
-            logging.INFO,
-            "closed connections that sent no request head in time",
-            kv={"listener": self.name, "header_timeout_s": self.header_timeout_s},
-        )
+        self.count_header_timeout()
 
 
 class ServerLog(logging.LoggerAdapter):  # type: ignore[type-arg]

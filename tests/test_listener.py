@@ -17,7 +17,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -167,9 +167,10 @@ def test_accept_errors_are_logged_once_per_period_with_a_count(tmp_path: Path) -
 @contextlib.asynccontextmanager
 async def _listener(
     kind: str, release: asyncio.Event | None = None, **bounds: Any
-) -> AsyncIterator[tuple[int, Any]]:
+) -> AsyncIterator[tuple[int, Any, Callable[[], int]]]:
     """Serve ``GET /`` ("ok") and ``GET /slow`` (waits for ``release``) on a ``kind`` listener
-    bounded by ``bounds``; yields the port and the object holding the counters."""
+    bounded by ``bounds``; yields the port, the listener's :class:`httpd.CapPolicy` (the
+    counters both listeners share) and how many of its connections are busy now."""
     if kind == "h11":
 
         async def answer(request: httpd.Request) -> httpd.Response:
@@ -180,7 +181,7 @@ async def _listener(
         server = HttpServer("test", [httpd.get("/", answer), httpd.get("/slow", answer)], **bounds)
         port = await server.start("127.0.0.1", 0)
         try:
-            yield port, server
+            yield port, server.cap, lambda: server.busy
         finally:
             await server.close()
         return
@@ -200,27 +201,23 @@ async def _listener(
     site = BoundedSite(runner, "127.0.0.1", 0, cap)
     await site.start()
     try:
-        yield site.port, cap
+        yield site.port, cap, lambda: len(cap._busy)
     finally:
         await runner.cleanup()
-
-
-def _busy(counters: Any) -> int:
-    return counters.busy if isinstance(counters, HttpServer) else len(counters._busy)
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_busy_connections_are_never_closed_and_a_full_listener_answers_503(kind: str) -> None:
     async def main() -> None:
         release = asyncio.Event()
-        async with _listener(kind, release, max_connections=3) as (port, cap):
+        async with _listener(kind, release, max_connections=3) as (port, cap, busy):
             async with httpx.AsyncClient(
                 base_url=f"http://127.0.0.1:{port}",
                 limits=httpx.Limits(max_connections=10),
                 timeout=5,
             ) as client:
                 slow = [asyncio.create_task(client.get("/slow")) for _ in range(3)]
-                while _busy(cap) < 3:
+                while busy() < 3:
                     await asyncio.sleep(0.01)
                 reader, writer = await asyncio.open_connection("127.0.0.1", port)
                 answer = await asyncio.wait_for(reader.read(), 5)
@@ -236,7 +233,7 @@ def test_busy_connections_are_never_closed_and_a_full_listener_answers_503(kind:
 @pytest.mark.parametrize("kind", KINDS)
 def test_at_the_cap_an_idle_connection_that_never_sent_a_request_goes_first(kind: str) -> None:
     async def main() -> None:
-        async with _listener(kind, max_connections=3) as (port, cap):
+        async with _listener(kind, max_connections=3) as (port, cap, _):
             # two connections that were served and are kept alive, then one that never sent
             served = []
             for _ in range(2):
@@ -266,7 +263,7 @@ def test_a_connection_without_a_request_head_is_closed_after_the_header_timeout(
     kind: str,
 ) -> None:
     async def main() -> None:
-        async with _listener(kind, max_connections=10, header_timeout_s=0.3) as (port, cap):
+        async with _listener(kind, max_connections=10, header_timeout_s=0.3) as (port, cap, _):
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
             writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n")  # the head never ends
             await writer.drain()
@@ -332,7 +329,7 @@ def test_malformed_requests_are_one_warning_without_a_traceback(
 
     async def main() -> list[bytes]:
         answers = []
-        async with _listener(kind) as (port, _):
+        async with _listener(kind) as (port, _, _):
             for raw in [b"GET / HTTP/1.1\r\nHost: x\r\nBad Header\r\n\r\n"] * 20 + [
                 b"GET /\x00 HTTP/1.1\r\n\r\n"
             ] * 20:
