@@ -1151,14 +1151,21 @@ def test_at_10hz_disks_network_and_numa_are_read_once_a_second_and_held(tree: Tr
     sampler._now = lambda: now
     first = collect(sampler)
     assert first.held == 0
-    slow_first = [s for s in first if s.name.startswith(("kvpressure_disk_", "kvpressure_net_"))]
+    slow_first = [
+        s
+        for s in first
+        if s.name.startswith(("kvpressure_disk_", "kvpressure_net_", "kvpressure_host_cpu_"))
+    ]
     assert slow_first and series(first, "kvpressure_memory_tier_bytes")
     tree.proc_file("net/snmp", SNMP.replace("Tcp: 1 314", "Tcp: 1 400"))
+    tree.proc_file("stat", PROC_STAT.replace("cpu  26025", "cpu  27025"))
     tree.proc_file("meminfo", MEMINFO.replace("10000000 kB", "9000000 kB"))
+    user = "kvpressure_host_cpu_seconds_total"
     for k in range(1, 10):  # 0.1 s apart, jittered: none reaches the next read
         now = 100.0 + k / 10 + (0.04 if k % 2 else -0.04)
         batch = collect(sampler)
         assert value(batch, RETRANS) == 314  # held
+        assert value(batch, user, mode="user") == value(first, user, mode="user")
         assert value(batch, "kvpressure_host_meminfo_available_bytes") == 9000000 * KB  # read
         for source in SOURCES:
             assert status(batch, source) == ("ok", "")
@@ -1174,6 +1181,7 @@ def test_at_10hz_disks_network_and_numa_are_read_once_a_second_and_held(tree: Tr
     batch = collect(sampler)
     assert batch.held == 0
     assert value(batch, RETRANS) == 400
+    assert value(batch, user, mode="user") == 27025 / os.sysconf("SC_CLK_TCK")
 
 
 def test_at_one_second_or_more_every_source_is_read_every_cycle(tree: Tree) -> None:

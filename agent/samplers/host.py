@@ -32,10 +32,10 @@ when a source has several parts, such as three PSI files or several engine cgrou
 worst part wins and the others' samples are still exported). A source that fails never
 stops the others, and bad file contents never make :meth:`HostSampler.collect` raise.
 
-At an interval under :data:`SLOW_INTERVAL_S` (10 Hz), ``diskstats``, ``netdev``, ``snmp``,
-``numa`` and the cgroup memory limits (the agent's and the engines') are read once a second
-(the slower sources' samples held in between, the limits repeated); at one second or more
-every source is read every cycle.
+At an interval under :data:`SLOW_INTERVAL_S` (10 Hz), ``cpu``, ``engine_cpu``,
+``diskstats``, ``netdev``, ``snmp``, ``numa`` and the cgroup memory limits (the agent's and
+the engines') are read once a second (the slower sources' samples held in between, the
+limits repeated); at one second or more every source is read every cycle.
 
 Slow-changing decisions are cached and re-evaluated every :data:`REFRESH_S` seconds: which
 block devices are whole physical disks, the NUMA node list and their CPU lists, the
@@ -77,13 +77,15 @@ REFRESH_S = 60.0
 """Seconds between re-evaluations of cached directory listings and classifications."""
 
 SLOW_INTERVAL_S: Final = 1.0
-"""Seconds between reads of the slower sources when the sampler runs more often: disks
-(``diskstats``), network (``netdev``, ``snmp``), NUMA tiers (``numa``) and the agent's cgroup
-memory limits. Memory, swap, paging, PSI and CPU time are the pressure signals a request's
-phases are judged by and are read every cycle; the slower sources are counters whose rates
-are read over whole request phases (and NUMA tiers, read by the capacity stage every
-second). Between reads their last samples are held (:meth:`agent.samples.Batch.hold`):
-exported, but not recorded in the timeline again, so rates span their real reads."""
+"""Seconds between reads of the slower sources when the sampler runs more often: CPU time
+(``cpu``, and ``engine_cpu``: each engine's process tree, the largest part of a node's host
+cycle), disks (``diskstats``), network (``netdev``, ``snmp``), NUMA tiers (``numa``) and the
+cgroup memory limits. Memory, swap, paging, PSI and cgroup charges are the pressure signals
+and are read every cycle; the slower sources are counters read only as rates over whole
+request phases (the host's and the engine's CPU time together, so their rates cover the
+same intervals), or NUMA tiers, which the capacity stage reads once a second. Between reads
+their last samples are held (:meth:`agent.samples.Batch.hold`): exported, but not recorded
+in the timeline again, so rates span their real reads."""
 
 PSI_REPROBE_S = 600.0
 """Seconds between probes of a PSI found unsupported (missing or disabled at boot)."""
@@ -834,16 +836,16 @@ class HostSampler(Sampler):
         self._add_effective_memory(batch, info, cgroup)
         self._run("vmstat", batch, self._collect_vmstat)
         self._run("psi", batch, self._collect_psi)
-        self._run("cpu", batch, self._collect_cpu)
         if self.engine_cgroups:
             self._run("psi_cgroup", batch, self._collect_psi_cgroup)
             self._run("cgroup_memory", batch, lambda b: self._collect_engine_memory(b, slow))
-        if self.engines:
-            self._run("engine_cpu", batch, self._collect_engine_cpu)
         if not slow and held is not None:
             batch.hold(*held)
             return
         n, m = len(batch.samples), len(batch.sources)
+        self._run("cpu", batch, self._collect_cpu)
+        if self.engines:
+            self._run("engine_cpu", batch, self._collect_engine_cpu)
         self._run("diskstats", batch, self._collect_diskstats)
         self._run("netdev", batch, self._collect_netdev)
         self._run("snmp", batch, self._collect_snmp)
