@@ -23,7 +23,8 @@ source's collection as the watchdog sees it), so it reads the state of the same 
 the source's samples still in cache and no thread is woken for it (a thread of its own
 woken ten times a second pays a wake-up each time: about 0.1 % of a core on the README's VM,
 less than ``benchmarks/node_stages.py`` can tell from its noise). Such a stage must be
-quick and never block: a stuck one holds its source's thread as a stuck source would.
+quick and never block: a stuck one holds its source's thread, and the watchdog then marks
+the source down (``timeout``) and moves its thread group on, as for a stuck source.
 
 :meth:`Runners.check_timeouts` (called by the daemon's watchdog on the event loop) marks a
 sampler down (``kvpressure_sampler_up 0``, reason ``timeout``) as soon as a
@@ -108,13 +109,16 @@ class SamplerRunner:
     def stop(self) -> None:
         """Ask the thread to stop after its current collection; does not wait.
 
-        A triggered runner is closed here, once a collection running on a trigger is done.
+        A triggered runner is closed here, or, while a trigger's collection runs on another
+        thread, by that thread once it is done.
         """
         self._stop.set()
         if self.triggered:
-            with self._inline:
-                if not self._done.is_set():
-                    self.finish()
+            if self._inline.acquire(blocking=False):
+                try:
+                    self._finish_once()
+                finally:
+                    self._inline.release()
             return
         group = self._group
         if group is not None:
@@ -153,15 +157,25 @@ class SamplerRunner:
         """Run a triggered runner's collection now, on this thread, and publish it.
 
         Called by :class:`Runners` when a source the stage runs after has published a
-        report; nothing once :meth:`stop` was called. Never raises (as :meth:`once`).
+        report; nothing once :meth:`stop` was called, nor while a collection of this stage
+        runs on another thread (a report published meanwhile, e.g. the watchdog's timeout
+        report for the source, does not wait for it). Never raises (as :meth:`once`).
         """
-        with self._inline:
-            if self._stop.is_set():
-                return
-            try:
+        if not self._inline.acquire(blocking=False):
+            return  # a trigger's collection is running (on another thread): it reads the state
+        try:
+            if not self._stop.is_set():
                 self.once()
-            except Exception:  # the source's thread must go on
-                log.exception("derived stage failed", extra={"kv": {"sampler": self.sampler.name}})
+        except Exception:  # the source's thread must go on
+            log.exception("derived stage failed", extra={"kv": {"sampler": self.sampler.name}})
+        finally:
+            if self._stop.is_set():
+                self._finish_once()  # stop() came while this collection ran
+            self._inline.release()
+
+    def _finish_once(self) -> None:
+        if not self._done.is_set():
+            self.finish()
 
     def join(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for the sampler to be closed; True when it was."""
@@ -201,16 +215,24 @@ class SamplerRunner:
         return SamplerReport(self.sampler.name, ts, time.monotonic() - t0, True, "", batch)
 
     def once(self) -> None:
-        """Run one collection and publish it (unless it timed out or the runner stopped)."""
+        """Run one collection and publish it (unless it timed out or the runner stopped).
+
+        The publication counts as part of the collection for the watchdog: the derived
+        stages that run after this sampler run inside it (:meth:`trigger`), so one that
+        hangs marks this sampler down (``timeout``) as a hung collection would.
+        """
         with self._lock:
             self._running_since = time.monotonic()
             self._timed_out = False
-        report = self.collect_once()
-        with self._lock:
-            self._running_since = None
-            late = self._timed_out
-        if not late and not self._stop.is_set():
-            self._state.publish(report)
+        try:
+            report = self.collect_once()
+            with self._lock:
+                late = self._timed_out
+            if not late and not self._stop.is_set():
+                self._state.publish(report)
+        finally:
+            with self._lock:
+                self._running_since = None
 
     def _main(self) -> None:
         interval = self.sampler.interval_s
