@@ -20,6 +20,7 @@ from kvpressure.agent.attribution.rules import Params
 from kvpressure.agent.attribution.sampler import AttributionSampler, SpanSink
 from kvpressure.agent.attribution.store import AttributionStore
 from kvpressure.agent.pipeline import Context, Plan, Stage, register
+from kvpressure.agent.samplers.host import SLOW_INTERVAL_S
 
 if TYPE_CHECKING:
     from kvpressure.agent.config import AttributionConfig, Config
@@ -98,7 +99,12 @@ def _plan(ctx: Context) -> list[Plan]:
     cfg = ctx.config
     acfg = cfg.attribution
     interval = ctx.interval_s("attribution")
-    sources = [cfg.interval_s, cfg.samplers.host.interval_s, cfg.samplers.engines.interval_s]
+    host = ctx.interval_s("host")
+    if cfg.samplers.host.enabled:
+        # under 1 s the host reads its CPU, disk and network counters once a second: a
+        # record is judged once the read after its end has been recorded
+        host = max(host, SLOW_INTERVAL_S)
+    sources = [cfg.interval_s, host, cfg.samplers.engines.interval_s]
     settle = acfg.settle_s if acfg.settle_s is not None else 2 * max(i or 0 for i in sources)
     if not cfg.samplers.attribution.interval_s:
         # A record is judged settle_s after its end, when its evidence has been sampled:
