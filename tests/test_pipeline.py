@@ -298,7 +298,11 @@ def test_attribution_judges_no_faster_than_half_its_settle_time_unless_told():
 
     # the 8-GPU node: sources at 0.1 s, engines scraped at 1 s -> settle 2 s, judged at 1 s
     assert attribution("interval_s: 0.1\nsamplers: {engines: {interval_s: 1}}\n") == (1.0, 2.0)
-    assert attribution("interval_s: 0.1\n") == (pytest.approx(0.1), pytest.approx(0.2))
+    # the host reads its CPU, disk and network counters once a second under 1 s: a record
+    # is judged after the read that follows its end (2 x 1 s), not 2 x 0.1 s
+    assert attribution("interval_s: 0.1\n") == (1.0, 2.0)
+    no_host = "interval_s: 0.1\nsamplers: {host: {enabled: false}}\n"
+    assert attribution(no_host) == (pytest.approx(0.1), pytest.approx(0.2))
     assert attribution("interval_s: 5\n") == (5.0, 10.0)  # never faster than asked
     assert attribution("interval_s: 0.1\nattribution: {settle_s: 0}\n")[0] == 0.1
     told = "interval_s: 0.1\nsamplers: {engines: {interval_s: 1}, attribution: {interval_s: 0.1}}\n"
@@ -455,3 +459,59 @@ def test_held_samples_are_current_values_but_not_new_timeline_points() -> None:
     state.publish(SamplerReport("host", 2.0, 0.0, True, "", last))
     assert state.timeline.window(retrans) == {(): [(1.0, 10.0), (2.0, 30.0)]}
     assert [v for _, v in state.timeline.window(avail)[()]] == [100, 90, 80, 70, 60]
+
+
+class _Blocking(Sampler):
+    """A derived stage whose collection waits for ``release`` (a hung stage)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(3600.0, timeout_s=0.3)
+        self.name = name
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.closed = False
+
+    def collect(self, batch: Batch) -> None:
+        self.entered.set()
+        self.release.wait(10)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_a_hung_derived_stage_marks_its_source_down_and_stop_does_not_wait_for_it():
+    state = AgentState(Timeline(16, 100))
+    src = _Counting("src", 0.1)
+    stage = _Blocking("der")
+
+    def reg(name: str, kind: Stage, after: tuple[str, ...] = ()) -> Registration:
+        return Registration(name, kind, lambda _ctx: [], "test", after=after)
+
+    desired = {
+        "src": Planned(Plan("src", 1, lambda: src), reg("src", Stage.SOURCE)),
+        "der": Planned(Plan("der", 1, lambda: stage), reg("der", Stage.DERIVED, ("src",))),
+    }
+    runners = Runners(state)
+    runners.apply(desired, {})
+    try:
+        assert stage.entered.wait(5)
+        deadline = time.monotonic() + 5
+        # the watchdog: the source's collection (its publication, the stage inside) overran
+        while time.monotonic() < deadline:
+            runners.check_timeouts(time.monotonic())  # its own trigger of "der" does not wait
+            got = state.report("src")
+            if got is not None and not got.ok:
+                break
+            time.sleep(0.05)
+        got = state.report("src")
+        assert got is not None and got.reason == "timeout"
+        t0 = time.monotonic()
+        stopped = runners.stop()
+        assert time.monotonic() - t0 < 0.5  # stop() returns while the stage still hangs
+        assert not stage.closed
+        stage.release.set()
+        for r in stopped:
+            assert r.join(5)
+        assert stage.closed  # closed by the thread that ran it, once it returned
+    finally:
+        stage.release.set()
