@@ -1007,6 +1007,7 @@ class CapPolicy(Generic[ConnT]):
         name: the listener, for log lines (e.g. ``"api 127.0.0.1:9470"``).
         max_connections: open connections allowed at once (can be changed while serving).
         header_timeout_s: seconds a new connection has to send its first request head.
+        logger: where the log lines go (the listener's module logger).
 
     Attributes:
         closed_idle: idle connections closed to make room, since start.
@@ -1021,6 +1022,7 @@ class CapPolicy(Generic[ConnT]):
         name: str,
         max_connections: int = MAX_CONNECTIONS,
         header_timeout_s: float = HEADER_TIMEOUT_S,
+        logger: logging.Logger = log,
     ) -> None:
         self.name = name
         self.max_connections = max_connections
@@ -1028,7 +1030,7 @@ class CapPolicy(Generic[ConnT]):
         self.closed_idle = 0
         self.refused = 0
         self.header_timeouts = 0
-        self.log_limited = RateLimitedLog(log, LOG_PERIOD_S)
+        self.log_limited = RateLimitedLog(logger, LOG_PERIOD_S)
 
     @staticmethod
     def victim(idle: Iterable[ConnT], served: Callable[[ConnT], bool]) -> ConnT | None:

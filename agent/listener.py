@@ -73,7 +73,7 @@ class ConnectionCap(CapPolicy[RequestHandler]):
         max_connections: int = MAX_CONNECTIONS,
         header_timeout_s: float = HEADER_TIMEOUT_S,
     ) -> None:
-        super().__init__(name, max_connections, header_timeout_s)
+        super().__init__(name, max_connections, header_timeout_s, log)
         self._busy: Counter[RequestHandler] = Counter()
         # Connections admitted (loop time) / that sent a request / that are being closed;
         # pruned to the open ones at every accept (aiohttp's handlers take no weak refs).

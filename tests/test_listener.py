@@ -347,3 +347,13 @@ def test_malformed_requests_are_one_warning_without_a_traceback(
     assert not [r for r in caplog.records if r.exc_info]
     warned = [r for r in caplog.records if r.getMessage() == "malformed HTTP requests refused"]
     assert len(warned) == 1
+
+
+def test_each_listener_logs_its_cap_under_its_own_module(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING):
+        ConnectionCap("proxy").count_refused()
+        HttpServer("api", []).cap.count_refused()
+    assert [(r.name, r.getMessage()) for r in caplog.records] == [
+        ("kvpressure.agent.listener", "connection refused: every connection is busy"),
+        ("kvpressure.agent.httpd", "connection refused: every connection is busy"),
+    ]
