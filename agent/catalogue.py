@@ -88,7 +88,9 @@ _ALL: tuple[Metric, ...] = (
         "1",
         "1 when a source inside a sampler (a /proc file, an endpoint) was read in the last "
         "cycle, 0 when it failed. Sources the system does not have are absent here and "
-        "listed in kvpressure_source_unsupported.",
+        "listed in kvpressure_source_unsupported. A host source read once a second while "
+        "the host samples faster (cpu, engine_cpu, diskstats, netdev, snmp, numa) keeps its "
+        "last read's state, and its series their last values, between reads.",
         ("sampler", "source"),
     ),
     _m(

@@ -81,11 +81,13 @@ SLOW_INTERVAL_S: Final = 1.0
 (``cpu``, and ``engine_cpu``: each engine's process tree, the largest part of a node's host
 cycle), disks (``diskstats``), network (``netdev``, ``snmp``), NUMA tiers (``numa``) and the
 cgroup memory limits. Memory, swap, paging, PSI and cgroup charges are the pressure signals
-and are read every cycle; the slower sources are counters read only as rates over whole
-request phases (the host's and the engine's CPU time together, so their rates cover the
-same intervals), or NUMA tiers, which the capacity stage reads once a second. Between reads
-their last samples are held (:meth:`agent.samples.Batch.hold`): exported, but not recorded
-in the timeline again, so rates span their real reads."""
+and are read every cycle. Of the slower sources, the counters are read by the attribution
+rules only as rates over whole request phases (the host's and the engine's CPU time
+together, so their rates cover the same intervals; the default ``attribution.settle_s``
+waits for the read after a request's end), and the gauges (NUMA tiers, limits) change when
+memory is onlined or an operator sets a limit. Between reads their last samples are held
+(:meth:`agent.samples.Batch.hold`): exported, but not recorded in the timeline again, so
+rates span their real reads."""
 
 PSI_REPROBE_S = 600.0
 """Seconds between probes of a PSI found unsupported (missing or disabled at boot)."""
