@@ -67,6 +67,7 @@ import contextlib
 import http.client
 import os
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
@@ -471,6 +472,9 @@ def main() -> int:
         "default: all but the -ka ones and host-1s",
     )
     args = ap.parse_args()
+    # SIGTERM (a timeout, a kill) exits through the finally blocks below, which stop the
+    # engine stand-ins and node_exporter: they run in sessions of their own and would outlive us
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     exe = shutil.which("prometheus-node-exporter") or shutil.which("node_exporter")
     if exe is None and not args.timeline:
         print("prometheus-node-exporter not found (apt-get install prometheus-node-exporter)")
