@@ -24,7 +24,10 @@ the source's samples still in cache and no thread is woken for it (a thread of i
 woken ten times a second pays a wake-up each time: about 0.1 % of a core on the README's VM,
 less than ``benchmarks/node_stages.py`` can tell from its noise). Such a stage must be
 quick and never block: a stuck one holds its source's thread, and the watchdog then marks
-the source down (``timeout``) and moves its thread group on, as for a stuck source.
+the source down (``timeout``) and moves its thread group on, as for a stuck source. A failed
+report of its source (a sampler error, the watchdog's timeout) has nothing to derive from:
+the stage gets an empty report without running, so no stage code runs on the watchdog's
+thread (the event loop).
 
 :meth:`Runners.check_timeouts` (called by the daemon's watchdog on the event loop) marks a
 sampler down (``kvpressure_sampler_up 0``, reason ``timeout``) as soon as a
@@ -114,11 +117,7 @@ class SamplerRunner:
         """
         self._stop.set()
         if self.triggered:
-            if self._inline.acquire(blocking=False):
-                try:
-                    self._finish_once()
-                finally:
-                    self._inline.release()
+            self._close_if_stopped()
             return
         group = self._group
         if group is not None:
@@ -169,13 +168,34 @@ class SamplerRunner:
         except Exception:  # the source's thread must go on
             log.exception("derived stage failed", extra={"kv": {"sampler": self.sampler.name}})
         finally:
-            if self._stop.is_set():
-                self._finish_once()  # stop() came while this collection ran
+            self._inline.release()
+        self._close_if_stopped()  # stop() may have come while this collection ran
+
+    def _close_if_stopped(self) -> None:
+        """Close a stopped triggered runner unless a collection runs (its thread closes it).
+
+        Called after setting ``_stop`` (:meth:`stop`) and after releasing the lock
+        (:meth:`trigger`): whichever of the two finds the lock taken, the other, holding it
+        or about to check ``_stop`` again, closes it.
+        """
+        if not self._stop.is_set() or not self._inline.acquire(blocking=False):
+            return
+        try:
+            if not self._done.is_set():
+                self.finish()
+        finally:
             self._inline.release()
 
-    def _finish_once(self) -> None:
-        if not self._done.is_set():
-            self.finish()
+    def skip(self, ts: float) -> None:
+        """Publish an empty report for a triggered runner without running it.
+
+        Called by :class:`Runners` for a failed report of the source it runs after: there is
+        nothing to derive from it (the stage's output is absent, as its collection would have
+        left it), and the thread that published the failure (the watchdog's, on the event
+        loop) never runs stage code.
+        """
+        if not self._stop.is_set():
+            self._state.publish(SamplerReport(self.sampler.name, ts, 0.0, True, "", Batch()))
 
     def join(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for the sampler to be closed; True when it was."""
@@ -459,8 +479,12 @@ class Runners:
         for name, after in list(self._after.items()):
             if reg in after:
                 runner = self.runners.get(name)
-                if runner is not None:
+                if runner is None:
+                    continue
+                if report.ok:
                     runner.trigger()
+                else:
+                    runner.skip(report.ts)
 
     def apply(self, desired: Mapping[str, Planned], extra: Mapping[str, Sampler]) -> None:
         """Start, keep or stop runners so they match ``desired`` plus the ``extra`` samplers."""

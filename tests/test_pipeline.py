@@ -29,7 +29,7 @@ from kvpressure.agent.pipeline import Context, Plan, Planned, Registration, Samp
 from kvpressure.agent.requests.record import RequestStream
 from kvpressure.agent.samplers.engines import ENGINE_TYPES as ENGINE_MAPPINGS
 from kvpressure.agent.samples import Batch
-from kvpressure.agent.scheduler import Runners
+from kvpressure.agent.scheduler import Runners, SamplerRunner
 from kvpressure.agent.state import AgentState, SamplerReport
 from kvpressure.agent.timeline import Timeline
 
@@ -515,3 +515,52 @@ def test_a_hung_derived_stage_marks_its_source_down_and_stop_does_not_wait_for_i
         assert stage.closed  # closed by the thread that ran it, once it returned
     finally:
         stage.release.set()
+
+
+def test_a_failed_source_report_gives_its_stage_an_empty_report_without_running_it():
+    state = AgentState(Timeline(16, 100))
+    stage = _Counting("der", 3600.0)
+
+    def reg(name: str, kind: Stage, after: tuple[str, ...] = ()) -> Registration:
+        return Registration(name, kind, lambda _ctx: [], "test", after=after)
+
+    src = _Counting("src", 3600.0)
+    desired = {
+        "src": Planned(Plan("src", 1, lambda: src), reg("src", Stage.SOURCE)),
+        "der": Planned(Plan("der", 1, lambda: stage), reg("der", Stage.DERIVED, ("src",))),
+    }
+    runners = Runners(state)
+    runners.apply(desired, {})
+    try:
+        runs = stage.runs
+        state.publish(SamplerReport("src", 5.0, 0.0, False, "timeout", None))  # the watchdog's
+        got = state.report("der")
+        assert stage.runs == runs  # not run on the publishing thread
+        assert got is not None and got.ok and got.batch is not None and not got.batch.samples
+    finally:
+        for r in runners.stop():
+            r.join(2)
+
+
+def test_stop_and_the_end_of_a_trigger_race_without_leaving_the_stage_open():
+    """stop() from another thread while a trigger's collection still holds its lock, after
+    the collection (the interleaving a review found left the stage open: stop() found the
+    lock taken, the trigger had checked the stop flag already), closes the stage, once."""
+    state = AgentState(Timeline(16, 100))
+    stage = _Counting("der", 3600.0)
+    runner = SamplerRunner(stage, state, 1, triggered=True)
+    lock = runner._inline
+
+    class StopAfterRelease:
+        def acquire(self, blocking: bool = True) -> bool:
+            return lock.acquire(blocking)
+
+        def release(self) -> None:
+            if not runner.stopped:
+                runner.stop()  # another thread's stop(), just before the release
+            lock.release()
+
+    runner._inline = StopAfterRelease()  # type: ignore[assignment]
+    runner.trigger()
+    assert stage.runs == 1
+    assert runner.join(1) and stage.closed
