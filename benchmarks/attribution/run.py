@@ -102,9 +102,10 @@ TARGET_ACCURACY = 0.90
 TARGET_CALM_SLOW = 0.05
 CLIENT_SLOW_FACTOR = 1.5
 """A calm request the agent flagged for its decode is not a false alarm when the client's
-own clock saw it decode above this many times the warm-up's median time per output token:
-the detector's ``baseline_factor`` over its fitted expectation (a request of that size's
-typical cost, which the warm-up's median stands for), the least it flags. Against the
+own clock saw it decode above this many times the warm-up's median time per output token
+(the detector's ``baseline_factor`` over its fitted expectation, a request of that size's
+typical cost, which the warm-up's median stands for: the least it flags) and above the
+warm-up's slowest (a decode the warm-up showed the agent as normal is never slow). Against the
 warm-up's p95 instead (until 2026-12-04), a decode between the two bounds counted as a
 false alarm though the detector had seen it above 1.5 x its expectation: a fresh-clone CI run
 on 2026-12-04 counted 4 false alarms (tpot or itl_max, cause unknown) beside 2 the client
@@ -169,13 +170,25 @@ class ScenarioResult:
     client_decode_norm_s: float | None = None
     """The warm-up's median of the same client time per output token (None: not a calm
     scenario, or the warm-up had other requests)."""
+    client_decode_max_s: float | None = None
+    """The warm-up's slowest client time per output token: a decode the warm-up showed the
+    agent as normal is never slow."""
     client_slow: int = 0
     """Flagged requests, slow in their decode only, that the client saw decode above
-    :data:`CLIENT_SLOW_FACTOR` x ``client_decode_norm_s`` per token."""
+    :attr:`client_bound_s` per token."""
     client_slow_tpot: list[float] = field(default_factory=list)
     client_flagged_tpot: list[float] = field(default_factory=list)
     """The client's time per output token of every flagged request slow in its decode
     only, confirmed or not (what a false alarm looked like from the client)."""
+
+    @property
+    def client_bound_s(self) -> float | None:
+        """Client time per output token above which a flagged decode was really slow: the
+        larger of :data:`CLIENT_SLOW_FACTOR` x the warm-up's median and the warm-up's
+        slowest."""
+        if self.client_decode_norm_s is None:
+            return None
+        return max(CLIENT_SLOW_FACTOR * self.client_decode_norm_s, self.client_decode_max_s or 0.0)
 
     @property
     def false_slow(self) -> int:
@@ -227,6 +240,7 @@ class Bench:
         self.tag = f"kvb{os.getpid() % 100000}"
         self.warm_shape = CALM
         self.decode_norm_s: float | None = None  # the warm-up's client median per output token
+        self.decode_max_s: float | None = None  # and its slowest
 
     # --- processes ---------------------------------------------------------------------
     def start_llama(self) -> None:
@@ -491,6 +505,7 @@ class Bench:
         if name.startswith("calm") and shape.n_predict == self.warm_shape.n_predict:
             res.client_decode = decode_per_token(results, shape.n_predict)
             res.client_decode_norm_s = self.decode_norm_s
+            res.client_decode_max_s = self.decode_max_s
         ttfts = [r.ttft_s for r in results if r.ttft_s is not None]
         res.client_ttft_p50_s, res.client_ttft_p95_s = pct(ttfts, 0.5), pct(ttfts, 0.95)
         if self.llama.poll() is not None:
@@ -574,12 +589,12 @@ def assign(results: list[ScenarioResult], attributions: list[dict[str, Any]]) ->
                     r.slow_phases[ph] = r.slow_phases.get(ph, 0) + 1
                 if {"tpot", "itl_max"} & set(phases):
                     r.decode_slow += 1
-                norm = r.client_decode_norm_s
-                seen = _client_of(r, a) if norm is not None else None
+                bound = r.client_bound_s
+                seen = _client_of(r, a) if bound is not None else None
                 decode_only = set(phases) <= {"tpot", "itl_max"}
-                if norm is not None and seen is not None and decode_only:
+                if bound is not None and seen is not None and decode_only:
                     r.client_flagged_tpot.append(round(seen[2], 4))
-                    if seen[2] > CLIENT_SLOW_FACTOR * norm:
+                    if seen[2] > bound:
                         r.client_slow += 1
                         r.client_slow_tpot.append(round(seen[2], 4))
                 for e in a["evidence"][:3]:
@@ -633,8 +648,9 @@ def report(results: list[ScenarioResult]) -> tuple[str, bool]:
             seen = ", ".join(f"{v:.3f}" for v in sorted(r.client_flagged_tpot))
             lines.append(
                 f"{r.name}: {r.slow} flagged, {r.false_slow} false alarms; the client saw "
-                f"{r.client_slow} of them decode above {CLIENT_SLOW_FACTOR:g} x the warm-up's "
-                f"median of {r.client_decode_norm_s:.4f} s per token"
+                f"{r.client_slow} of them decode above {r.client_bound_s:.4f} s per token "
+                f"({CLIENT_SLOW_FACTOR:g} x the warm-up's median of {r.client_decode_norm_s:.4f} "
+                f"s, its slowest {r.client_decode_max_s or 0:.4f} s)"
                 + (f"; the client's time per token of each flagged decode: {seen} s" * bool(seen))
             )
     lines += ["", "SLOW PHASES PER SCENARIO (slow requests per phase; decode = tpot or itl_max)"]
@@ -683,6 +699,7 @@ def run(args: argparse.Namespace) -> tuple[list[ScenarioResult], dict[str, Any],
         bench.warm_shape = warm
         warm_decode = decode_per_token(bench.load(args.warmup, warm, seed=1000), warm.n_predict)
         bench.decode_norm_s = pct([d for _, _, d in warm_decode], 0.5)
+        bench.decode_max_s = max((d for _, _, d in warm_decode), default=None)
         for i, name in enumerate(args.scenarios):
             time.sleep(args.gap_s)
             results.append(bench.scenario(name, requests_of(args, name), seed=2000 + 100 * i))
