@@ -318,9 +318,9 @@ class AttributionConfig(_Model):
         lead_in_s: seconds before a request's start that its attribution reads too.
         window_s: length of the attributed windows (dashboards, ``explain``).
         settle_s: records are attributed once they ended this long ago; default: twice the
-            longest sampling interval (the host's counters count as 1 s when it samples
-            faster: it reads them once a second), so the sample covering the request's end
-            exists.
+            longest interval of the sources that run (host, gpu, engines; the host's
+            counters count as 1 s when it samples faster: it reads them once a second), so
+            the sample covering the request's end exists.
         min_score: lowest score that names a primary cause (else ``unknown``).
         cold_start_s: slow requests this long after an engine restart are the restart's.
         span_parent: ``child`` of the source span, or a new trace with a ``link`` to it.

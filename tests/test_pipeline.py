@@ -303,6 +303,13 @@ def test_attribution_judges_no_faster_than_half_its_settle_time_unless_told():
     assert attribution("interval_s: 0.1\n") == (1.0, 2.0)
     no_host = "interval_s: 0.1\nsamplers: {host: {enabled: false}}\n"
     assert attribution(no_host) == (pytest.approx(0.1), pytest.approx(0.2))
+    # a disabled source's own interval does not count; a running source's does
+    off = "interval_s: 0.1\nsamplers: {host: {enabled: false, interval_s: 5}}\n"
+    assert attribution(off) == (pytest.approx(0.1), pytest.approx(0.2))
+    slow_gpu = "interval_s: 0.1\nsamplers: {host: {enabled: false}, gpu: {interval_s: 3}}\n"
+    assert attribution(slow_gpu) == (1.0, 6.0)
+    nothing = "interval_s: 0.5\nsamplers: {host: {enabled: false}, gpu: {enabled: false},"
+    assert attribution(nothing + " engines: {enabled: false}}\n") == (0.5, 1.0)
     assert attribution("interval_s: 5\n") == (5.0, 10.0)  # never faster than asked
     assert attribution("interval_s: 0.1\nattribution: {settle_s: 0}\n")[0] == 0.1
     told = "interval_s: 0.1\nsamplers: {engines: {interval_s: 1}, attribution: {interval_s: 0.1}}\n"

@@ -99,13 +99,16 @@ def _plan(ctx: Context) -> list[Plan]:
     cfg = ctx.config
     acfg = cfg.attribution
     interval = ctx.interval_s("attribution")
-    host = ctx.interval_s("host")
-    if cfg.samplers.host.enabled:
-        # under 1 s the host reads its CPU, disk and network counters once a second: a
-        # record is judged once the read after its end has been recorded
-        host = max(host, SLOW_INTERVAL_S)
-    sources = [cfg.interval_s, host, cfg.samplers.engines.interval_s]
-    settle = acfg.settle_s if acfg.settle_s is not None else 2 * max(i or 0 for i in sources)
+    # the sources that run, each at its own interval; under 1 s the host reads its CPU,
+    # disk and network counters once a second: a record is judged once the read after its
+    # end has been recorded
+    sources = [
+        max(ctx.interval_s(name), SLOW_INTERVAL_S) if name == "host" else ctx.interval_s(name)
+        for name in ("host", "gpu", "engines")
+        if getattr(cfg.samplers, name).enabled
+    ]
+    longest = max(sources, default=float(cfg.interval_s))
+    settle = acfg.settle_s if acfg.settle_s is not None else 2 * longest
     if not cfg.samplers.attribution.interval_s:
         # A record is judged settle_s after its end, when its evidence has been sampled:
         # judging more often than half of that (or once a second) gives no verdict much
