@@ -7,7 +7,9 @@ a synthetic engine feeding request gauges and token counters, so every code path
 data movement, the process join) runs each cycle. It prints the process CPU seconds per cycle
 (all threads, ``time.process_time``) and the CPU % of one core, and the same without the fake's
 own call time (measured per call with ``time.thread_time``), which stands in for NVML's own time
-that the issue's target excludes.
+that the issue's target excludes. Beside it, in the same window, Debian's
+``prometheus-node-exporter`` (started on a free port, scraped once a second by a process of
+its own) is the peer: its CPU % and the ratio are printed too (skipped when not installed).
 
 Usage::
 
@@ -20,10 +22,17 @@ Exit status 0; the figures are for the report (target: <= 1 % of one core, exclu
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
+import shutil
+import socket
+import subprocess
+import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
+
+import psutil
 
 from kvpressure.agent.samplers import nvml_binding as nb
 from kvpressure.agent.samplers.accelerator import AcceleratorSampler
@@ -107,7 +116,56 @@ def wrapper_overhead_s() -> float:
     return max(0.0, (wrapped - (time.process_time() - t0)) / n)
 
 
-def run(seconds: float, hz: float, gpus: int, profile: str, inline: bool) -> dict[str, float]:
+SCRAPER = """
+import sys, time, urllib.request
+while True:
+    try:
+        urllib.request.urlopen(sys.argv[1], timeout=5).read()
+    except OSError:
+        pass
+    time.sleep(1.0)
+"""
+
+
+class Peer:
+    """node_exporter scraped once a second; ``cpu_s()`` is its CPU (user + system) so far."""
+
+    def __init__(self, proc: psutil.Process) -> None:
+        self.proc = proc
+
+    def cpu_s(self) -> float:
+        t = self.proc.cpu_times()
+        return t.user + t.system
+
+
+@contextlib.contextmanager
+def node_exporter() -> Iterator[Peer | None]:
+    """Debian's ``prometheus-node-exporter`` on a free port and its 1 Hz scraper, or None."""
+    exe = shutil.which("prometheus-node-exporter") or shutil.which("node_exporter")
+    if exe is None:
+        yield None
+        return
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = int(sock.getsockname()[1])
+    procs = [subprocess.Popen([exe, f"--web.listen-address=127.0.0.1:{port}"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]  # fmt: skip
+    try:
+        time.sleep(1)
+        url = f"http://127.0.0.1:{port}/metrics"
+        procs.append(subprocess.Popen([sys.executable, "-c", SCRAPER, url]))
+        time.sleep(2)  # its first scrapes (start-up) are not in the window
+        yield Peer(psutil.Process(procs[0].pid))
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(10)
+
+
+def run(
+    seconds: float, hz: float, gpus: int, profile: str, inline: bool, peer: Peer | None = None
+) -> dict[str, float]:
     fake = FakeNvml.from_profile(profile, gpus=gpus)
     timed = TimedLib(fake)
     binding = nb.NvmlBinding(timed, f"fake:{profile}")
@@ -136,6 +194,7 @@ def run(seconds: float, hz: float, gpus: int, profile: str, inline: bool) -> dic
     samples = 0
     wall0 = time.monotonic()
     cpu0 = time.process_time()
+    peer0 = peer.cpu_s() if peer else 0.0
     next_t = wall0
     while time.monotonic() - wall0 < seconds:
         b = cycle()
@@ -147,6 +206,7 @@ def run(seconds: float, hz: float, gpus: int, profile: str, inline: bool) -> dic
             time.sleep(delay)
     cpu = time.process_time() - cpu0
     wall = time.monotonic() - wall0
+    peer_pct = 100 * (peer.cpu_s() - peer0) / wall if peer else -1.0
     sampler.close()
     own = cpu - timed.cpu_s - timed.calls * wrapper_overhead_s()
     return {
@@ -159,6 +219,7 @@ def run(seconds: float, hz: float, gpus: int, profile: str, inline: bool) -> dic
         "fake_per_cycle_ms": 1000 * timed.cpu_s / cycles,
         "own_per_cycle_ms": 1000 * own / cycles,
         "own_pct": 100 * own / wall,
+        "peer_pct": peer_pct,
     }
 
 
@@ -170,7 +231,8 @@ def main() -> None:
     ap.add_argument("--profile", default="h100-sxm")
     ap.add_argument("--inline", action="store_true", help="gpu_timeout_s=0: no worker threads")
     args = ap.parse_args()
-    r = run(args.seconds, args.hz, args.gpus, args.profile, args.inline)
+    with node_exporter() as peer:
+        r = run(args.seconds, args.hz, args.gpus, args.profile, args.inline, peer)
     mode = "inline (no threads)" if args.inline else "one pass per cycle on a pooled worker thread"
     print(f"GPU sampler, fake:{args.profile}, {args.gpus} GPUs at {args.hz:g} Hz, {mode}")
     print(
@@ -190,6 +252,14 @@ def main() -> None:
         f"  sampler excluding NVML:        {r['own_per_cycle_ms']:.3f} ms per cycle, "
         f"{r['own_pct']:.2f} % of one core (target <= 1 %)"
     )
+    if r["peer_pct"] < 0:
+        print("  node_exporter: not installed (apt-get install prometheus-node-exporter)")
+    else:
+        ratio = r["own_pct"] / r["peer_pct"] if r["peer_pct"] > 0 else float("inf")
+        print(
+            f"  node_exporter, same window:    {r['peer_pct']:.2f} % of one core (scraped at "
+            f"1 Hz); sampler excluding NVML / node_exporter: {ratio:.2f}x"
+        )
 
 
 if __name__ == "__main__":
