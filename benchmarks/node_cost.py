@@ -22,7 +22,17 @@ Scenarios (each run as a separate ``kvpressure run`` process, ``--seconds`` long
   what an agent serves before any GPU or engine is attached);
 * ``host+poll-ka``, ``node+poll-ka``: the same polling over one kept-alive connection, as
   Prometheus and Go's ``http.Client`` (llm-d's endpoint picker) scrape; ``+poll`` opens a
-  new connection per scrape (``urllib``), which adds the accept and teardown.
+  new connection per scrape (``urllib``), which adds the accept and teardown;
+* ``host+proxy<R>`` (e.g. ``host+proxy0``, ``host+proxy5``, ``host+proxy25``): ``host`` with
+  one ``proxies:`` entry in front of an SSE engine stand-in (llama.cpp-shaped streamed chat
+  completions: 16 tokens 5 ms apart, the last event with ``timings``, chunked, the
+  connection closed after each response as llama.cpp does), sent ``R`` streamed requests a
+  second (open loop, from 8 client connections kept alive) after 128 sent back to back in
+  the warm-up (attribution's cost fits are refitted after every request until they have
+  96 points; the windows measure the steady state). Each request goes through the proxy,
+  the requests stage and attribution, as on a node. With two or more rates the
+  slope per request per second is printed (CPU and RSS), and ``host+proxy0`` against
+  ``host`` is what a proxy costs with no traffic.
 
 Each ``+poll`` and ``+poll-ka`` scenario's excess over its base scenario, divided by the
 20 scrapes a second, is printed as the CPU of one scrape (render, gzip and the HTTP
@@ -65,7 +75,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import http.client
+import itertools
+import json
 import os
+import queue
+import re
 import shutil
 import signal
 import socket
@@ -119,16 +133,68 @@ s.serve_forever()
 """
 """One engine stand-in: serves the capture ``argv[1]`` on port ``argv[2]``, with a child."""
 
+SSE_SERVER = r"""
+import json, sys, time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+TOKENS, GAP_S = 16, 0.005
+def chunk(data):
+    return b"%x\r\n%s\r\n" % (len(data), data)
+def event(obj):
+    return chunk(b"data: " + json.dumps(obj).encode() + b"\n\n")
+class H(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.send_header("Connection", "close")  # llama.cpp closes after a stream
+        self.end_headers()
+        base = {"object": "chat.completion.chunk", "model": "stand-in"}
+        self.wfile.write(event({**base, "choices": [{"index": 0, "delta": {"role": "assistant"}}]}))
+        self.wfile.flush()
+        for i in range(TOKENS):
+            time.sleep(GAP_S)
+            ev = {**base, "choices": [{"index": 0, "delta": {"content": " w%d" % i}}]}
+            if i == TOKENS - 1:
+                ev["timings"] = {"prompt_n": 24, "prompt_ms": 5.0, "predicted_n": TOKENS,
+                                 "predicted_ms": TOKENS * GAP_S * 1000}
+            self.wfile.write(event(ev))
+            self.wfile.flush()
+        self.wfile.write(chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+        self.wfile.flush()
+        self.close_connection = True
+    def log_message(self, *a):
+        pass
+s = ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), H)
+s.daemon_threads = True
+print("ready", flush=True)
+s.serve_forever()
+"""
+"""The proxied engine stand-in: streamed chat completions on port ``argv[1]``."""
 
-def start_engines(capture: Path, ports: list[int]) -> list[subprocess.Popen[bytes]]:
+PROXY_CLIENTS = 8
+"""Client connections (kept alive to the proxy) the ``+proxy<R>`` load is sent from."""
+
+PROXY_WARMUP = 128
+"""Requests sent before the paced load (in the 5 s warm-up): attribution refits its cost
+lines after every request until it has 96 (``FIT_POINTS``), then every 32; measured from
+the start, a low rate's window would hold that one-time work and a high rate's not."""
+
+
+def start_engines(
+    capture: Path, ports: list[int], server: str = ENGINE_SERVER
+) -> list[subprocess.Popen[bytes]]:
     """Start one :data:`ENGINE_SERVER` process per port (each in its own session, with its
-    child); returns once every one listens."""
+    child), or one ``server`` such as :data:`SSE_SERVER`; returns once every one listens."""
     procs: list[subprocess.Popen[bytes]] = []
     try:
         for port in ports:
             procs.append(
                 subprocess.Popen(
-                    [sys.executable, "-c", ENGINE_SERVER, str(capture), str(port)],
+                    [sys.executable, "-c", server]
+                    + ([str(capture), str(port)] if server is ENGINE_SERVER else [str(port)]),
                     stdout=subprocess.PIPE,
                     stderr=subprocess.DEVNULL,
                     start_new_session=True,
@@ -177,7 +243,16 @@ def get(url: str, headers: dict[str, str] | None = None) -> bytes:
         return bytes(r.read())
 
 
-def scenario_config(name: str, port: int, engine_ports: list[int]) -> dict[str, object]:
+def proxy_rate(name: str) -> float | None:
+    """Requests a second of a ``host+proxy<R>`` scenario; None for the others."""
+    m = re.fullmatch(r"host\+proxy(\d+(?:\.\d+)?)", name)
+    return float(m.group(1)) if m else None
+
+
+def scenario_config(
+    name: str, port: int, engine_ports: list[int], proxy: tuple[int, int] | None = None
+) -> dict[str, object]:
+    """``kvpressure run``'s config of scenario ``name``; ``proxy``: (listen, upstream) ports."""
     host_only = name.partition("+")[0] in ("host", "host-1s")
     engines = 0 if host_only else 16 if name == "node+16" else 8
     cfg: dict[str, object] = {
@@ -201,7 +276,75 @@ def scenario_config(name: str, port: int, engine_ports: list[int]) -> dict[str, 
             for i in range(engines)
         ],
     }
+    if proxy is not None:
+        cfg["proxies"] = [
+            {
+                "listen": f"127.0.0.1:{proxy[0]}",
+                "upstream": f"http://127.0.0.1:{proxy[1]}",
+                "engine": "llamacpp",
+            }
+        ]
     return cfg
+
+
+class ProxyLoad:
+    """``rate`` streamed chat completions a second through the proxy on ``port``, open loop.
+
+    A pacing thread releases one request every ``1/rate`` s to :data:`PROXY_CLIENTS`
+    threads, each with a connection to the proxy kept alive; a request is counted when its
+    whole stream was read. ``errors`` counts failed ones (the connection is reopened).
+    """
+
+    BODY = json.dumps(
+        {"model": "m", "stream": True, "max_tokens": 16,
+         "messages": [{"role": "user", "content": "Say sixteen words."}]}
+    ).encode()  # fmt: skip
+
+    def __init__(self, port: int, rate: float) -> None:
+        self.port, self.rate = port, rate
+        self.done = self.errors = 0
+        self._due: queue.SimpleQueue[bool] = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._pace, daemon=True)] + [
+            threading.Thread(target=self._client, daemon=True) for _ in range(PROXY_CLIENTS)
+        ]
+
+    def start(self) -> None:
+        """Send :data:`PROXY_WARMUP` requests as fast as they are answered, then pace."""
+        if self.rate > 0:
+            for t in self._threads[1:]:
+                t.start()
+            for _ in range(PROXY_WARMUP):
+                self._due.put(True)
+            self._threads[0].start()
+
+    def stop(self) -> None:
+        """Stop pacing; each client ends after its request in flight."""
+        self._stop.set()
+        for _ in range(PROXY_CLIENTS):
+            self._due.put(False)
+
+    def _pace(self) -> None:
+        period, due = 1.0 / self.rate, time.monotonic()
+        while not self._stop.is_set():
+            due += period
+            self._due.put(True)
+            self._stop.wait(max(0.0, due - time.monotonic()))
+
+    def _client(self) -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
+        headers = {"Content-Type": "application/json"}
+        while self._due.get():
+            try:
+                conn.request("POST", "/v1/chat/completions", self.BODY, headers)
+                resp = conn.getresponse()
+                resp.read()
+                if resp.status != 200:
+                    raise http.client.HTTPException(f"status {resp.status}")
+                self.done += 1
+            except (OSError, http.client.HTTPException):
+                self.errors += 1
+                conn.close()  # reconnects on the next request
 
 
 def run(
@@ -212,10 +355,14 @@ def run(
     ne: psutil.Process,
     ne_url: str,
     exe: Path,
+    sse_port: int | None = None,
 ) -> dict[str, float]:
     port = free_port()
+    rate = proxy_rate(name)
+    proxy = (free_port(), sse_port) if rate is not None and sse_port is not None else None
+    load = ProxyLoad(proxy[0], rate or 0.0) if proxy is not None else None
     cfg = work / f"{name}.yaml"
-    cfg.write_text(yaml.safe_dump(scenario_config(name, port, engine_ports)))
+    cfg.write_text(yaml.safe_dump(scenario_config(name, port, engine_ports, proxy)))
     err = (work / f"{name}.err").open("w")
     proc = subprocess.Popen(
         [str(exe), "run", "--config", str(cfg)],
@@ -231,6 +378,8 @@ def run(
                 get(f"http://127.0.0.1:{port}/healthz")
                 break
             time.sleep(0.2)
+        if load is not None:
+            load.start()  # the warm-up includes its first requests
         time.sleep(5)  # warm-up: first cycles, engine types known
 
         def scrape_ne() -> None:
@@ -282,9 +431,13 @@ def run(
             "ne_rss": ne.memory_info().rss / 2**20,
             "lines": float(body.count(b"\n")),
             "timeline": timeline[0] if timeline else float("nan"),
+            "proxied": float(load.done) if load else 0.0,
+            "proxy_errors": float(load.errors) if load else 0.0,
         }
     finally:
         stop.set()
+        if load is not None:
+            load.stop()
         proc.terminate()
         try:
             proc.wait(10)
@@ -468,8 +621,10 @@ def main() -> int:
         "a new connection each), host+poll-ka (the same, kept alive), "
         "node (8 fake GPUs, 8 vLLM engines, gauges at 0.1 s), node-1s (the same, every "
         "engine metric at 1 s), node+16 (16 engines), node-1gpu (one GPU), node+poll "
-        "(node with /metrics polled at 20 Hz), node+poll-ka, host-1s (host at 1 s); "
-        "default: all but the -ka ones and host-1s",
+        "(node with /metrics polled at 20 Hz), node+poll-ka, host-1s (host at 1 s), "
+        "host+proxy<R> (host with a proxy sent R streamed requests a second, e.g. "
+        "host+proxy0,host+proxy5,host+proxy25); default: all but the -ka ones, host-1s and "
+        "the proxy ones",
     )
     args = ap.parse_args()
     # SIGTERM (a timeout, a kill) exits through the finally blocks below, which stop the
@@ -500,13 +655,16 @@ def main() -> int:
             stderr=subprocess.DEVNULL,
         )
         ne_url = f"http://127.0.0.1:{ne_port}/metrics"
+        sse_port = free_port()
+        if any(proxy_rate(n) is not None for n in args.scenarios.split(",")):
+            servers += start_engines(capture, [sse_port], SSE_SERVER)
         time.sleep(1)
         rows: dict[str, dict[str, float]] = {}
         try:
             ne = psutil.Process(ne_proc.pid)
             for name in args.scenarios.split(","):
                 rows[name] = run(
-                    name, args.seconds, work, engine_ports, ne, ne_url, args.kvpressure
+                    name, args.seconds, work, engine_ports, ne, ne_url, args.kvpressure, sse_port
                 )
         finally:
             ne_proc.terminate()
@@ -547,6 +705,29 @@ def main() -> int:
         print(
             f"host cycle at 0.1 s, whole agent: {extra / 100 / 9 * 1e3:.2f} ms of CPU per extra "
             "cycle (target <= 0.5 ms)"
+        )
+    proxied = sorted((r, n) for n in rows if (r := proxy_rate(n)) is not None)
+    for r, n in proxied:
+        row = rows[n]
+        print(
+            f"through the proxy at {r:g} req/s: {row['proxied']:.0f} requests streamed, "
+            f"{row['proxy_errors']:.0f} failed"
+        )
+    for (r0, n0), (r1, n1) in itertools.pairwise(proxied):  # each segment: is it linear?
+        a, b = rows[n0], rows[n1]
+        slope = (b["agent_pct"] - a["agent_pct"]) / (r1 - r0)
+        print(
+            f"per proxied request per second ({r0:g} to {r1:g} req/s): {slope:+.3f} % of a "
+            f"core = {slope * 10:.2f} ms CPU per request, "
+            f"{(b['agent_rss'] - a['agent_rss']) / (r1 - r0):+.3f} MiB RSS (peak at "
+            f"{args.seconds:g} s; the kept request summaries grow until "
+            "attribution.recent_requests)"
+        )
+    if "host" in rows and "host+proxy0" in rows:
+        h, p = rows["host"], rows["host+proxy0"]
+        print(
+            f"a proxy with no traffic: {p['agent_pct'] - h['agent_pct']:+.2f} % of a core, "
+            f"{p['agent_rss'] - h['agent_rss']:+.1f} MiB RSS (aiohttp's import)"
         )
     for base in ("host", "node"):
         for poll, how in (("+poll", "new connection each"), ("+poll-ka", "kept alive")):
