@@ -30,6 +30,20 @@ class Discovery:
     def __init__(self, probe: Probe | None = None) -> None:
         self.probe = probe
         self.found: dict[str, EngineConfig] = {}
+        self._told_empty: tuple[str, tuple[int, ...]] | None = None
+
+    def _tell_empty(self, cfg: Config) -> None:
+        """Log once per host and port list that no engine answered (a new user sees the probe)."""
+        key = (cfg.discovery.host, tuple(cfg.discovery.ports))
+        if self.found or cfg.engines or self._told_empty == key:
+            return
+        self._told_empty = key
+        log.info(
+            "engine discovery: nothing answered on %s ports %s; probing again every %g s",
+            key[0],
+            ", ".join(map(str, key[1])),
+            cfg.discovery.interval_s,
+        )
 
     async def once(self, cfg: Config) -> bool:
         """Probe every port not already known; True when an engine was found.
@@ -62,6 +76,7 @@ class Discovery:
             self.found[name] = EngineConfig(url=url, type=kind, name=name)  # type: ignore[arg-type]
             log.info("engine discovered", extra={"kv": {"engine": name, "url": url, "type": kind}})
             changed = True
+        self._tell_empty(cfg)
         return changed
 
 
