@@ -234,7 +234,10 @@ def main() -> None:
     with node_exporter() as peer:
         r = run(args.seconds, args.hz, args.gpus, args.profile, args.inline, peer)
     mode = "inline (no threads)" if args.inline else "one pass per cycle on a pooled worker thread"
-    print(f"GPU sampler, fake:{args.profile}, {args.gpus} GPUs at {args.hz:g} Hz, {mode}")
+    print(
+        f"GPU sampler and the accelerator stage it triggers, fake:{args.profile}, "
+        f"{args.gpus} GPUs at {args.hz:g} Hz, {mode}"
+    )
     print(
         f"  {r['cycles']:.0f} cycles in {r['wall_s']:.1f} s, "
         f"{r['samples_per_cycle']:.0f} samples and {r['nvml_calls_per_cycle']:.0f} NVML calls "
@@ -249,7 +252,7 @@ def main() -> None:
         "(plus the timing wrapper's own cost, also subtracted below)"
     )
     print(
-        f"  sampler excluding NVML:        {r['own_per_cycle_ms']:.3f} ms per cycle, "
+        f"  sampler + accelerator, no NVML: {r['own_per_cycle_ms']:.3f} ms per cycle, "
         f"{r['own_pct']:.2f} % of one core (target <= 1 %)"
     )
     if r["peer_pct"] < 0:
@@ -258,7 +261,7 @@ def main() -> None:
         ratio = r["own_pct"] / r["peer_pct"] if r["peer_pct"] > 0 else float("inf")
         print(
             f"  node_exporter, same window:    {r['peer_pct']:.2f} % of one core (scraped at "
-            f"1 Hz); sampler excluding NVML / node_exporter: {ratio:.2f}x"
+            f"1 Hz); sampler + accelerator, no NVML / node_exporter: {ratio:.2f}x"
         )
 
 
