@@ -356,6 +356,7 @@ def run(
     ne_url: str,
     exe: Path,
     sse_port: int | None = None,
+    warmup_s: float = 5.0,
 ) -> dict[str, float]:
     port = free_port()
     rate = proxy_rate(name)
@@ -380,7 +381,7 @@ def run(
             time.sleep(0.2)
         if load is not None:
             load.start()  # the warm-up includes its first requests
-        time.sleep(5)  # warm-up: first cycles, engine types known
+        time.sleep(warmup_s)  # warm-up: first cycles, engine types known (rings filling)
 
         def scrape_ne() -> None:
             while not stop.wait(1.0):
@@ -603,6 +604,13 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, default=30.0)
     ap.add_argument(
+        "--warmup",
+        type=float,
+        default=5.0,
+        help="seconds each agent runs before the windows (default 5); 110 measures with the "
+        "0.1 s timeline rings full, 1030 with every ring full (the steady state)",
+    )
+    ap.add_argument(
         "--kvpressure",
         type=Path,
         default=REPO / ".venv" / "bin" / "kvpressure",
@@ -664,7 +672,15 @@ def main() -> int:
             ne = psutil.Process(ne_proc.pid)
             for name in args.scenarios.split(","):
                 rows[name] = run(
-                    name, args.seconds, work, engine_ports, ne, ne_url, args.kvpressure, sse_port
+                    name,
+                    args.seconds,
+                    work,
+                    engine_ports,
+                    ne,
+                    ne_url,
+                    args.kvpressure,
+                    sse_port,
+                    args.warmup,
                 )
         finally:
             ne_proc.terminate()

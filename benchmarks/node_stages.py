@@ -55,6 +55,12 @@ def stage_of(sampler: str) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, default=20.0)
+    ap.add_argument(
+        "--warmup",
+        type=float,
+        default=5.0,
+        help="seconds the node runs before it is measured (110: the 0.1 s rings full)",
+    )
     args = ap.parse_args()
     cpu: collections.defaultdict[str, float] = collections.defaultdict(float)
     calls: collections.Counter[str] = collections.Counter()
@@ -105,7 +111,7 @@ def main() -> int:
                 runners.check_timeouts(time.monotonic())
 
         threading.Thread(target=watchdog, daemon=True).start()
-        time.sleep(5)  # warm-up: types known, windows open
+        time.sleep(args.warmup)  # warm-up: types known, windows open (rings filling)
         with lock:
             cpu.clear()
             calls.clear()

@@ -53,10 +53,12 @@ from __future__ import annotations
 
 import logging
 import math
+import operator
 import time
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 from typing import TYPE_CHECKING, Final
 
@@ -261,6 +263,17 @@ def growth_rate(points: list[tuple[float, float]]) -> float | None:
 
 
 def _summed_series(series: Mapping[Labels, list[tuple[float, float]]]) -> list[tuple[float, float]]:
+    """The series of ``series`` summed at each timestamp, ``[(ts, sum), ...]`` in time order.
+
+    One series whose timestamps only rise (an engine with one model: the usual case, and a
+    60 s window of a 0.1 s gauge is 600 points read once a second per engine) is that
+    series as it is; several, or a timestamp repeated or out of order, are summed.
+    """
+    if len(series) == 1:
+        (pts,) = series.values()
+        ts = [t for t, _ in pts]
+        if all(map(operator.lt, ts, islice(ts, 1, None))):
+            return pts
     acc: dict[float, float] = defaultdict(float)
     for pts in series.values():
         for t, v in pts:
@@ -439,13 +452,20 @@ class CapacitySampler(Sampler):
         running = dict(
             _summed_series(tl.window(RUNNING, now - self.window_s, now, {"engine": v.engine}))
         )
-        ratios = [
-            u / running[t] for t, u in self._used_history(v, now) if running.get(t, 0) > 0 and u > 0
-        ]
+        best: float | None = None  # max() of the ratios, one dict lookup per point
+        get = running.get
+        for t, u in self._used_history(v, now):
+            r = get(t)
+            if r is not None and r > 0 and u > 0:
+                q = u / r
+                if best is None or q > best:
+                    best = q
         used = v.used_tokens
         if used is not None and v.running:
-            ratios.append(used / v.running)
-        return max(ratios) if ratios else None
+            q = used / v.running
+            if best is None or q > best:
+                best = q
+        return best
 
     def _tts(self, v: EngineView, headroom: float | None, now: float) -> float | None:
         if headroom is None:
