@@ -452,20 +452,13 @@ class CapacitySampler(Sampler):
         running = dict(
             _summed_series(tl.window(RUNNING, now - self.window_s, now, {"engine": v.engine}))
         )
-        best: float | None = None  # max() of the ratios, one dict lookup per point
-        get = running.get
-        for t, u in self._used_history(v, now):
-            r = get(t)
-            if r is not None and r > 0 and u > 0:
-                q = u / r
-                if best is None or q > best:
-                    best = q
+        ratios = [
+            u / r for t, u in self._used_history(v, now) if u > 0 and (r := running.get(t, 0)) > 0
+        ]
         used = v.used_tokens
         if used is not None and v.running:
-            q = used / v.running
-            if best is None or q > best:
-                best = q
-        return best
+            ratios.append(used / v.running)
+        return max(ratios) if ratios else None
 
     def _tts(self, v: EngineView, headroom: float | None, now: float) -> float | None:
         if headroom is None:
