@@ -24,15 +24,18 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import shutil
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import node_cost
 
 from kvpressure.agent.samplers import nvml_binding as nb
 from kvpressure.agent.samplers.accelerator import AcceleratorSampler
@@ -127,45 +130,31 @@ while True:
 """
 
 
-class Peer:
-    """node_exporter scraped once a second; ``cpu_s()`` is its CPU (user + system) so far."""
-
-    def __init__(self, proc: psutil.Process) -> None:
-        self.proc = proc
-
-    def cpu_s(self) -> float:
-        t = self.proc.cpu_times()
-        return t.user + t.system
-
-
 @contextlib.contextmanager
-def node_exporter() -> Iterator[Peer | None]:
-    """Debian's ``prometheus-node-exporter`` on a free port and its 1 Hz scraper, or None."""
-    exe = shutil.which("prometheus-node-exporter") or shutil.which("node_exporter")
-    if exe is None:
-        yield None
-        return
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = int(sock.getsockname()[1])
-    procs = [subprocess.Popen([exe, f"--web.listen-address=127.0.0.1:{port}"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]  # fmt: skip
-    try:
-        time.sleep(1)
-        url = f"http://127.0.0.1:{port}/metrics"
-        procs.append(subprocess.Popen([sys.executable, "-c", SCRAPER, url]))
-        time.sleep(2)  # its first scrapes (start-up) are not in the window
-        yield Peer(psutil.Process(procs[0].pid))
-    finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            p.wait(10)
+def node_exporter() -> Iterator[psutil.Process | None]:
+    """The peer (:func:`node_cost.node_exporter`) and a process of its own scraping it at 1 Hz."""
+    with node_cost.node_exporter() as peer:
+        if peer is None:
+            yield None
+            return
+        proc, url = peer
+        scraper = subprocess.Popen([sys.executable, "-c", SCRAPER, url])
+        try:
+            time.sleep(2)  # its first scrapes (start-up) are not in the window
+            yield proc
+        finally:
+            scraper.terminate()
+            scraper.wait(10)
 
 
 def run(
-    seconds: float, hz: float, gpus: int, profile: str, inline: bool, peer: Peer | None = None
-) -> dict[str, float]:
+    seconds: float,
+    hz: float,
+    gpus: int,
+    profile: str,
+    inline: bool,
+    peer: psutil.Process | None = None,
+) -> dict[str, float | None]:
     fake = FakeNvml.from_profile(profile, gpus=gpus)
     timed = TimedLib(fake)
     binding = nb.NvmlBinding(timed, f"fake:{profile}")
@@ -194,7 +183,7 @@ def run(
     samples = 0
     wall0 = time.monotonic()
     cpu0 = time.process_time()
-    peer0 = peer.cpu_s() if peer else 0.0
+    peer0 = node_cost.cpu_s(peer) if peer else 0.0
     next_t = wall0
     while time.monotonic() - wall0 < seconds:
         b = cycle()
@@ -206,7 +195,7 @@ def run(
             time.sleep(delay)
     cpu = time.process_time() - cpu0
     wall = time.monotonic() - wall0
-    peer_pct = 100 * (peer.cpu_s() - peer0) / wall if peer else -1.0
+    peer_pct = 100 * (node_cost.cpu_s(peer) - peer0) / wall if peer else None
     sampler.close()
     own = cpu - timed.cpu_s - timed.calls * wrapper_overhead_s()
     return {
@@ -255,12 +244,14 @@ def main() -> None:
         f"  sampler + accelerator, no NVML: {r['own_per_cycle_ms']:.3f} ms per cycle, "
         f"{r['own_pct']:.2f} % of one core (target <= 1 %)"
     )
-    if r["peer_pct"] < 0:
+    own, peer = r["own_pct"], r["peer_pct"]
+    assert own is not None
+    if peer is None:
         print("  node_exporter: not installed (apt-get install prometheus-node-exporter)")
     else:
-        ratio = r["own_pct"] / r["peer_pct"] if r["peer_pct"] > 0 else float("inf")
+        ratio = own / peer if peer > 0 else float("inf")
         print(
-            f"  node_exporter, same window:    {r['peer_pct']:.2f} % of one core (scraped at "
+            f"  node_exporter, same window:    {peer:.2f} % of one core (scraped at "
             f"1 Hz); sampler + accelerator, no NVML / node_exporter: {ratio:.2f}x"
         )
 

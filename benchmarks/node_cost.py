@@ -90,6 +90,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -167,12 +168,13 @@ class H(BaseHTTPRequestHandler):
         self.close_connection = True
     def log_message(self, *a):
         pass
-s = ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), H)
+s = ThreadingHTTPServer(("127.0.0.1", int(sys.argv[2])), H)
 s.daemon_threads = True
 print("ready", flush=True)
 s.serve_forever()
 """
-"""The proxied engine stand-in: streamed chat completions on port ``argv[1]``."""
+"""The proxied engine stand-in: streamed chat completions on port ``argv[2]`` (``argv[1]``, the
+capture, is not read: it starts as :data:`ENGINE_SERVER` does)."""
 
 PROXY_CLIENTS = 8
 """Client connections (kept alive to the proxy) the ``+proxy<R>`` load is sent from."""
@@ -193,8 +195,7 @@ def start_engines(
         for port in ports:
             procs.append(
                 subprocess.Popen(
-                    [sys.executable, "-c", server]
-                    + ([str(capture), str(port)] if server is ENGINE_SERVER else [str(port)]),
+                    [sys.executable, "-c", server, str(capture), str(port)],
                     stdout=subprocess.PIPE,
                     stderr=subprocess.DEVNULL,
                     start_new_session=True,
@@ -217,6 +218,32 @@ def stop_engines(procs: list[subprocess.Popen[bytes]]) -> None:
     for p in procs:
         with contextlib.suppress(subprocess.TimeoutExpired):
             p.wait(10)
+
+
+NODE_EXPORTER_EXES = ("prometheus-node-exporter", "node_exporter")
+"""The peer's executable: Debian's name, then upstream's."""
+
+
+@contextlib.contextmanager
+def node_exporter() -> Iterator[tuple[psutil.Process, str] | None]:
+    """Run the peer on a free port: yields ``(its process, its /metrics URL)``, or ``None``
+    when it is not installed; stopped on exit (a SIGTERM of the benchmark included)."""
+    exe = next(filter(None, map(shutil.which, NODE_EXPORTER_EXES)), None)
+    if exe is None:
+        yield None
+        return
+    port = free_port()
+    proc = subprocess.Popen(
+        [exe, f"--web.listen-address=127.0.0.1:{port}"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        time.sleep(1)
+        yield psutil.Process(proc.pid), f"http://127.0.0.1:{port}/metrics"
+    finally:
+        proc.terminate()
+        proc.wait(10)
 
 
 def free_port() -> int:
@@ -638,8 +665,7 @@ def main() -> int:
     # SIGTERM (a timeout, a kill) exits through the finally blocks below, which stop the
     # engine stand-ins and node_exporter: they run in sessions of their own and would outlive us
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
-    exe = shutil.which("prometheus-node-exporter") or shutil.which("node_exporter")
-    if exe is None and not args.timeline:
+    if not any(map(shutil.which, NODE_EXPORTER_EXES)) and not args.timeline:
         print("prometheus-node-exporter not found (apt-get install prometheus-node-exporter)")
         return 2
     capture = next(p for p in CAPTURES if p.exists())
@@ -655,35 +681,27 @@ def main() -> int:
             finally:
                 stop_engines(servers)
             return 0
-        assert exe is not None
-        ne_port = free_port()
-        ne_proc = subprocess.Popen(
-            [exe, f"--web.listen-address=127.0.0.1:{ne_port}"],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        ne_url = f"http://127.0.0.1:{ne_port}/metrics"
-        sse_port = free_port()
-        if any(proxy_rate(n) is not None for n in args.scenarios.split(",")):
-            servers += start_engines(capture, [sse_port], SSE_SERVER)
-        time.sleep(1)
         rows: dict[str, dict[str, float]] = {}
         try:
-            ne = psutil.Process(ne_proc.pid)
-            for name in args.scenarios.split(","):
-                rows[name] = run(
-                    name,
-                    args.seconds,
-                    work,
-                    engine_ports,
-                    ne,
-                    ne_url,
-                    args.kvpressure,
-                    sse_port,
-                    args.warmup,
-                )
+            sse_port = free_port()
+            if any(proxy_rate(n) is not None for n in args.scenarios.split(",")):
+                servers += start_engines(capture, [sse_port], SSE_SERVER)
+            with node_exporter() as peer:
+                assert peer is not None
+                ne, ne_url = peer
+                for name in args.scenarios.split(","):
+                    rows[name] = run(
+                        name,
+                        args.seconds,
+                        work,
+                        engine_ports,
+                        ne,
+                        ne_url,
+                        args.kvpressure,
+                        sse_port,
+                        args.warmup,
+                    )
         finally:
-            ne_proc.terminate()
             stop_engines(servers)
     print(f"capture: {capture} ({capture.stat().st_size / 1e3:.0f} KB); agent: {args.kvpressure}")
     print(
