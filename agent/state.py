@@ -123,7 +123,7 @@ class AgentState:
             if not report.ok:
                 self._c.failures[(report.sampler, report.reason or "error")] += 1
         if report.ok and report.batch is not None:
-            self.timeline.append(report.ts, report.batch.recorded())
+            self.timeline.append(report.ts, report.batch.recorded(), clock=report.sampler)
         with self._lock:
             listeners = list(self._listeners)
         for listener in listeners:

@@ -13,9 +13,12 @@ declare a name fails loudly instead of reading nothing. ``kept=None`` keeps ever
 
 Memory is bounded three ways besides:
 
-* each series keeps at most ``points_per_series`` points (oldest dropped first), in two
-  ``array('d')`` buffers that grow as points arrive (16 bytes a point), so a series that
-  was written once costs a few hundred bytes, not 16 KiB;
+* each series keeps at most ``points_per_series`` points (oldest dropped first), in
+  ``array('d')`` buffers that grow as points arrive, so a series that was written once
+  costs a few hundred bytes, not 16 KiB. A series its source writes at every report (a
+  GPU's memory, an engine's counters) keeps only its values, 8 bytes a point, and reads
+  its timestamps from the source's :class:`Clock`, one copy for all of them; any other
+  series keeps its own (16 bytes a point);
 * a series not written for ``forget_after_s`` (default 15 min: longer than any window read
   back) is forgotten (a vanished PID, engine or model);
 * at most ``max_series`` series exist. At the cap a new series takes the place of the series
@@ -24,7 +27,7 @@ Memory is bounded three ways besides:
   is dropped and counted in :attr:`Timeline.dropped_samples`. So a label that changes every
   scrape keeps memory bounded without blinding the agent to new engines, models or PIDs.
 
-A full series costs 16 KiB (1,024 points); 20,000 full series about 320 MiB at worst. What
+A full series costs 8 or 16 KiB (1,024 points); 20,000 full series 320 MiB at worst. What
 a node keeps is printed by ``benchmarks/node_cost.py --timeline`` (the node's series through
 the real samplers, every ring full).
 """
@@ -49,43 +52,172 @@ class NotKept(LookupError):
     """
 
 
+class Clock:
+    """The timestamps of one source's reports, held once for every series it writes each time.
+
+    A sampler writes most of its series at every report (a GPU's memory, an engine's gauges),
+    all with the report's timestamp. Each such series then keeps only its values and reads
+    its timestamps here: 8 bytes a point instead of 16. A series that misses one of the
+    source's reports, is written twice in one, or by another source, is *detached* (given its
+    own timestamps, :meth:`Ring.detach`) and is an ordinary ring from then on.
+
+    Attributes:
+        key: the source (the report's ``sampler``).
+        tick: index of the newest report recorded (``-1`` before the first).
+        members: the rings that hold no timestamps of their own and read them here; each
+            was written at every report from its first point to the newest.
+    """
+
+    __slots__ = (
+        "_registry",
+        "_ts",
+        "capacity",
+        "key",
+        "members",
+        "open",
+        "ordered",
+        "tick",
+        "written",
+    )
+
+    def __init__(self, key: str, points_per_series: int, registry: dict[str, Clock]) -> None:
+        self.key = key
+        self._registry = registry  # the timeline's clocks: one leaves it with its last member
+        # one report more than a ring holds: a member that missed the newest report still
+        # finds the timestamp of its oldest point when it is detached after it
+        self.capacity = points_per_series + 1
+        self._ts = array("d")
+        self.tick = -1
+        self.ordered = True
+        self.open = False
+        self.written = 0
+        self.members: set[Ring] = set()
+
+    def advance(self, ts: float) -> None:
+        """Record the next report, taken at ``ts`` (Unix seconds)."""
+        self.tick += 1
+        if self._ts and ts < self._ts[(self.tick - 1) % self.capacity]:
+            self.ordered = False
+        if len(self._ts) < self.capacity:
+            self._ts.append(ts)
+        else:
+            self._ts[self.tick % self.capacity] = ts
+
+    def leave(self, ring: Ring) -> None:
+        """Take ``ring`` off the members.
+
+        A clock left with none leaves its timeline, unless its report is being recorded
+        (the timeline closes it after that).
+        """
+        self.members.discard(ring)
+        if not self.members and not self.open:
+            self._registry.pop(self.key, None)
+
+    def span(self, first: int, n: int) -> array[float]:
+        """The timestamps of the ``n`` reports from tick ``first`` on, oldest first."""
+        size = len(self._ts)
+        i = first % size
+        if i + n <= size:
+            return self._ts[i : i + n]
+        return self._ts[i:] + self._ts[: n - (size - i)]
+
+
 class Ring:
     """A ring of at most ``capacity`` ``(timestamp, value)`` points, oldest overwritten first.
 
     The buffers grow with the points (``array.append``) until ``capacity``; then the ring
-    overwrites its oldest point.
+    overwrites its oldest point. A ring made with a :class:`Clock` keeps only its values and
+    reads its timestamps from the clock while it is one of the clock's members (see there).
 
     Attributes:
         capacity: the most points kept.
     """
 
-    __slots__ = ("_n", "_next", "_ordered", "_ts", "_vs", "capacity", "last_ts")
+    __slots__ = (
+        "_clock",
+        "_n",
+        "_next",
+        "_ordered",
+        "_tick",
+        "_ts",
+        "_vs",
+        "capacity",
+        "last_ts",
+    )
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, clock: Clock | None = None) -> None:
         self.capacity = capacity
-        self._ts = array("d")
+        self._ts: array[float] | None = None if clock is not None else array("d")
         self._vs = array("d")
         self._next = 0
         self._n = 0
         self._ordered = True  # timestamps never went backwards: points() can bisect
+        self._clock = clock
+        # with a clock: the tick of the newest point (the one before the current tick
+        # until the first write, so that write continues the run)
+        self._tick = clock.tick - 1 if clock is not None else 0
+        if clock is not None:
+            clock.members.add(self)
         self.last_ts = float("-inf")
         """Timestamp of the newest point (Unix seconds); ``-inf`` while empty."""
 
     def append(self, ts: float, value: float) -> None:
-        """Add a point; ``ts`` is Unix time in seconds and should not go backwards."""
+        """Add a point; ``ts`` is Unix time in seconds and should not go backwards.
+
+        A member of a clock that is open for ``ts``'s report and whose newest point is the
+        clock's previous report only stores the value; any other member is detached first.
+        """
+        clock = self._clock
+        if clock is not None:
+            if clock.open and self._tick == clock.tick - 1:
+                self._tick = clock.tick
+                clock.written += 1
+                self.last_ts = ts
+                if self._n < self.capacity:
+                    self._vs.append(value)
+                    self._n += 1
+                    self._next = self._n % self.capacity
+                else:
+                    self._vs[self._next] = value
+                    self._next = (self._next + 1) % self.capacity
+                return
+            self.detach()
+        ts_ = self._ts
+        assert ts_ is not None
         if ts < self.last_ts:
             self._ordered = False  # a clock step back: points() scans (until reordered)
         self.last_ts = ts
         if self._n < self.capacity:
-            self._ts.append(ts)
+            ts_.append(ts)
             self._vs.append(value)
             self._n += 1
             self._next = self._n % self.capacity
             return
         i = self._next
-        self._ts[i] = ts
+        ts_[i] = ts
         self._vs[i] = value
         self._next = (i + 1) % self.capacity
+
+    def detach(self) -> None:
+        """Leave the clock: hold this ring's own timestamps from now on (no-op without one)."""
+        clock = self._clock
+        if clock is None:
+            return
+        pts = self.points()
+        if clock.open and self._tick == clock.tick:
+            clock.written -= 1  # it no longer counts among the members written this report
+        clock.leave(self)
+        self._clock = None
+        self._ts = array("d", [t for t, _ in pts])
+        self._vs = array("d", [v for _, v in pts])
+        self._n = len(pts)
+        self._next = self._n % self.capacity
+        self._ordered = all(a <= b for a, b in zip(self._ts, self._ts[1:], strict=False))
+
+    @property
+    def clocked(self) -> bool:
+        """True while the ring reads its timestamps from a clock."""
+        return self._clock is not None
 
     def __len__(self) -> int:
         return self._n
@@ -96,21 +228,32 @@ class Ring:
         """Return the points with ``start <= ts <= end``, oldest first.
 
         Cost: two binary searches and a slice per contiguous part of the ring (at most
-        two) while timestamps only went forward; a scan of every point otherwise.
+        two) while timestamps only went forward; a scan of every point otherwise. A ring
+        on a clock first copies its span of the clock's timestamps (``memcpy``).
         """
-        size = len(self._ts)
-        if not size:
+        n = self._n
+        if not n:
             return []
-        first = (self._next - self._n) % size
-        if not self._ordered:
+        vs = self._vs
+        size = len(vs)
+        first = (self._next - n) % size
+        clock = self._clock
+        if clock is not None:
+            ts = clock.span(self._tick - n + 1, n)
+            if first:
+                vs = vs[first:] + vs[:first]
+            first, size, ordered = 0, n, clock.ordered
+        else:
+            assert self._ts is not None
+            ts, ordered = self._ts, self._ordered
+        if not ordered:
             out: list[tuple[float, float]] = []
-            for k in range(self._n):
+            for k in range(n):
                 i = (first + k) % size
-                t = self._ts[i]
+                t = ts[i]
                 if start <= t <= end:
-                    out.append((t, self._vs[i]))
+                    out.append((t, vs[i]))
             return out
-        ts, vs = self._ts, self._vs
         parts = [(first, size), (0, first)] if first else [(0, size)]
         out = []
         for lo, hi in parts:
@@ -124,8 +267,7 @@ class Ring:
         """Return the newest point, or ``None`` when empty."""
         if self._n == 0:
             return None
-        i = (self._next - 1) % len(self._ts)
-        return self._ts[i], self._vs[i]
+        return self.last_ts, self._vs[(self._next - 1) % len(self._vs)]
 
 
 class Timeline:
@@ -169,6 +311,7 @@ class Timeline:
         # eviction) re-files, at the end, each front entry written since it was filed. So
         # an entry moves at most once per reading, and only when a reader needs it.
         self._written: dict[SeriesKey, float] = {}
+        self._clocks: dict[str, Clock] = {}
         self._lock = threading.Lock()
         self._last_sweep = float("-inf")
         self.dropped_samples = 0
@@ -201,12 +344,19 @@ class Timeline:
                 self._drop(key)
             return len(gone)
 
-    def append(self, ts: float, samples: Iterable[Sample]) -> None:
+    def append(self, ts: float, samples: Iterable[Sample], clock: str | None = None) -> None:
         """Record ``samples`` taken at Unix time ``ts`` (seconds); names not kept are skipped.
 
         A batch holds each metric's samples one after another, so whether a name is kept is
         looked up once per run of samples sharing one name object (a sampler passes the same
         ``str`` for every sample of a family), not per sample.
+
+        Args:
+            ts: when the samples were taken, Unix seconds.
+            samples: the samples.
+            clock: the source of the report (its ``sampler``), or ``None``. The series a
+                source writes at each of its reports share one copy of their timestamps
+                (:class:`Clock`); with ``None`` every series holds its own.
         """
         name: str | None = None
         skip = False
@@ -215,24 +365,45 @@ class Timeline:
             if ts - self._last_sweep >= min(60.0, self.forget_after_s):
                 self._last_sweep = ts
                 self.forgotten_series += self._forget(ts - self.forget_after_s)
+            clk = None
+            if clock is not None:
+                clk = self._clocks.get(clock)
+                if clk is None:
+                    clk = self._clocks[clock] = Clock(clock, self.points_per_series, self._clocks)
+                clk.advance(ts)
+                clk.open = True
             series = self._series
-            for s in samples:
-                if s.name is not name:
-                    name = s.name
-                    skip = kept is not None and name not in kept
-                if skip:
-                    continue
-                key = (s.name, s.labels)
-                ring = series.get(key)
-                if ring is None:
-                    if len(series) >= self.max_series and not self._evict_one(ts):
-                        self.dropped_samples += 1
+            try:
+                for s in samples:
+                    if s.name is not name:
+                        name = s.name
+                        skip = kept is not None and name not in kept
+                    if skip:
                         continue
-                    ring = Ring(self.points_per_series)
-                    series[key] = ring
-                    self._by_name.setdefault(s.name, {})[s.labels] = ring
-                    self._written[key] = ts
-                ring.append(ts, s.value)
+                    key = (s.name, s.labels)
+                    ring = series.get(key)
+                    if ring is None:
+                        if len(series) >= self.max_series and not self._evict_one(ts):
+                            self.dropped_samples += 1
+                            continue
+                        ring = Ring(self.points_per_series, clk)
+                        series[key] = ring
+                        self._by_name.setdefault(s.name, {})[s.labels] = ring
+                        self._written[key] = ts
+                    ring.append(ts, s.value)
+            finally:
+                if clk is not None:
+                    clk.open = False
+                    self._close(clk)
+
+    def _close(self, clock: Clock) -> None:
+        """End a report of ``clock``'s source: detach the members it did not write."""
+        if clock.written != len(clock.members):
+            for ring in [r for r in clock.members if r._tick != clock.tick]:
+                ring.detach()
+        clock.written = 0
+        if not clock.members:
+            self._clocks.pop(clock.key, None)
 
     def _oldest(self) -> tuple[SeriesKey, float] | None:
         """The series written least recently and its last write; ``None`` when empty.
@@ -269,7 +440,9 @@ class Timeline:
         return n
 
     def _drop(self, key: SeriesKey) -> None:
-        del self._series[key]
+        ring = self._series.pop(key)
+        if ring._clock is not None:
+            ring._clock.leave(ring)
         same = self._by_name[key[0]]
         del same[key[1]]
         if not same:

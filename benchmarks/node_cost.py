@@ -533,8 +533,10 @@ def timeline_footprint(engine_ports: list[int]) -> None:
             stages.tick()
     finally:
         stages.close()
-    batches = [list(r.batch.samples) for r in daemon.state.reports() if r.ok and r.batch]
-    offered = sum(len(b) for b in batches)
+    batches = [
+        (r.sampler, list(r.batch.samples)) for r in daemon.state.reports() if r.ok and r.batch
+    ]
+    offered = sum(len(b) for _, b in batches)
     kept = daemon.timeline_reads(cfg)
     points = cfg.timeline.points_per_series
     rows = []
@@ -582,7 +584,7 @@ def _in_child(fn: Any) -> dict[str, Any]:
 
 
 def _fill(
-    batches: list[Any],
+    batches: list[tuple[str, Any]],
     points: int,
     max_series: int,
     names: frozenset[str] | None,
@@ -609,16 +611,16 @@ def _fill(
     t = 0.0
     for _ in range(points):
         t += 0.1
-        for b in batches:
-            tl.append(t, b)
+        for sampler, b in batches:
+            tl.append(t, b, clock=sampler)
     if traced:
         return {"series": len(tl), "traced": tracemalloc.get_traced_memory()[0]}
     rss = rss_bytes() - rss0
     c0 = time.process_time()
     for _ in range(200):  # appends to full rings: the steady state's cost
         t += 0.1
-        for b in batches:
-            tl.append(t, b)
+        for sampler, b in batches:
+            tl.append(t, b, clock=sampler)
     append_ms = (time.process_time() - c0) / 200 * 1e3
     with tl._lock:  # the benchmark looks inside: the series per family not kept
         families = Counter(

@@ -151,3 +151,86 @@ def test_series_rewritten_after_others_is_neither_evicted_nor_forgotten_first():
     assert t.forget(30.0) == 1  # a, last written at 20; c was written at 40
     assert t.window("a") == {} and [p for p, _ in t.window("c")[()]] == [21.0, 40.0]
     assert t.forget(41.0) == 1 and len(t) == 0
+
+
+def test_series_sharing_a_sources_timestamps_read_back_as_if_each_held_its_own():
+    """Issue 15 (the node's memory): the series a source writes at each report read their
+    timestamps from one :class:`Clock`. Whatever the reports hold (a series missing from
+    some, written twice in one, written by two sources, a clock stepping back, rings
+    wrapping, eviction at the cap, forgetting and names no longer kept), every read equals
+    that of a timeline where each series holds its own timestamps."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    names = ["a", "b", "c"]
+    labels = [(), (("gpu", "0"),), (("gpu", "1"),)]
+    report = st.tuples(
+        st.sampled_from(["s1", "s2", None]),  # the source (None: no clock)
+        st.floats(-2, 5, allow_nan=False),  # step of the clock (sometimes back)
+        st.lists(st.tuples(st.integers(0, 2), st.integers(0, 2)), max_size=8),
+    )
+
+    @settings(max_examples=400, deadline=None, database=None)
+    @given(
+        capacity=st.integers(1, 6),
+        max_series=st.integers(1, 9),
+        reports=st.lists(report, max_size=40),
+        forget_at=st.lists(st.integers(0, 39), max_size=3),
+        kept_at=st.dictionaries(st.integers(0, 39), st.sets(st.sampled_from(names)), max_size=2),
+    )
+    def check(capacity, max_series, reports, forget_at, kept_at):
+        kw = {"points_per_series": capacity, "max_series": max_series, "evict_after_s": 3.0}
+        shared, plain = Timeline(**kw), Timeline(**kw)
+        t = 100.0
+        for k, (source, step, picks) in enumerate(reports):
+            t += step
+            samples = [
+                Sample(names[n], float(k * 10 + i), labels[lab]) for i, (n, lab) in enumerate(picks)
+            ]
+            shared.append(t, samples, clock=source)
+            plain.append(t, samples)
+            if k in forget_at:
+                assert shared.forget(t - 4.0) == plain.forget(t - 4.0)
+            if k in kept_at:
+                assert shared.set_kept(kept_at[k]) == plain.set_kept(kept_at[k])
+            for name in names:
+                if shared.kept is not None and name not in shared.kept:
+                    continue
+                assert shared.window(name) == plain.window(name)
+                assert shared.window(name, t - 3.0, t - 0.5) == plain.window(name, t - 3.0, t - 0.5)
+            assert len(shared) == len(plain)
+            assert shared.dropped_samples == plain.dropped_samples
+            assert shared.evicted_series == plain.evicted_series
+            for key, ring in shared._series.items():
+                assert ring.last() == plain._series[key].last()
+                assert ring.last_ts == plain._series[key].last_ts
+        # a clock is kept only while some series reads it
+        assert all(c.members for c in shared._clocks.values())
+
+    check()
+
+
+def test_a_sources_steady_series_hold_no_timestamps_of_their_own():
+    """The memory the clock saves: series written at every report keep values only; one
+    that misses a report gets its own timestamps back, with its history intact."""
+    t = Timeline(points_per_series=8)
+    for k in range(20):
+        batch = [
+            Sample("kvpressure_gpu_memory_used_bytes", float(k), (("gpu", str(g)),))
+            for g in range(4)
+        ]
+        if k % 5 == 0:  # read once a second by a sampler ticking at 0.2 s
+            batch.append(Sample("kvpressure_host_cpu_seconds_total", float(k)))
+        t.append(1000.0 + k * 0.2, batch, clock="gpu")
+    rings = t._series
+    gpu = [r for (n, _), r in rings.items() if n == "kvpressure_gpu_memory_used_bytes"]
+    assert all(r.clocked for r in gpu) and len(t._clocks) == 1
+    assert not rings[("kvpressure_host_cpu_seconds_total", ())].clocked
+    assert [v for _, v in t.window("kvpressure_host_cpu_seconds_total")[()]] == [
+        0.0,
+        5.0,
+        10.0,
+        15.0,
+    ]
+    w = t.window("kvpressure_gpu_memory_used_bytes", match={"gpu": "3"})[(("gpu", "3"),)]
+    assert w == [(1000.0 + k * 0.2, float(k)) for k in range(12, 20)]
