@@ -379,14 +379,16 @@ class CapacitySampler(Sampler):
         now = self.clock()
         latest = self.state.latest_many(VIEW_NAMES)  # one walk of the reports, not one a name
         views = engine_views(latest.__getitem__)
-        self._history.clear()
         if self.stream is not None:
             self._drain_stream(now)
         else:
             for view in views.values():
                 self._counter_itl(view)
-        for view in views.values():
-            self._engine(batch, view, now)
+        try:
+            for view in views.values():
+                self._engine(batch, view, now)
+        finally:
+            self._history.clear()  # a collection's windows are not held until the next one
         for name, value, labels in self.knee.samples():
             batch.add(name, value, **labels)
 
