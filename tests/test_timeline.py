@@ -234,3 +234,18 @@ def test_a_sources_steady_series_hold_no_timestamps_of_their_own():
     ]
     w = t.window("kvpressure_gpu_memory_used_bytes", match={"gpu": "3"})[(("gpu", "3"),)]
     assert w == [(1000.0 + k * 0.2, float(k)) for k in range(12, 20)]
+
+
+def test_the_state_records_each_samplers_reports_on_its_own_clock():
+    from kvpressure.agent.state import AgentState, SamplerReport
+
+    state = AgentState(Timeline(points_per_series=4))
+    for k in range(6):
+        for sampler, name in (("gpu", "kvpressure_gpu_memory_used_bytes"), ("host", "h")):
+            b = Batch()
+            b.add(name, float(k), gpu="0")
+            state.publish(SamplerReport(sampler, 10.0 + k, 0.001, True, batch=b))
+    tl = state.timeline
+    assert set(tl._clocks) == {"gpu", "host"}
+    assert all(r.clocked for r in tl._series.values())
+    assert tl.window("h") == {(("gpu", "0"),): [(10.0 + k, float(k)) for k in range(2, 6)]}
