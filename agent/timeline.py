@@ -66,6 +66,11 @@ class Clock:
         tick: index of the newest report recorded (``-1`` before the first).
         members: the rings that hold no timestamps of their own and read them here; each
             was written at every report from its first point to the newest.
+        open: True while the timeline records one of the source's reports.
+        written: members written in the report being recorded.
+        ordered: False once a report's timestamp went back (readers then scan, not bisect).
+
+    Not thread-safe on its own: the timeline's lock guards it.
     """
 
     __slots__ = (
