@@ -27,7 +27,7 @@ Memory is bounded three ways besides:
   is dropped and counted in :attr:`Timeline.dropped_samples`. So a label that changes every
   scrape keeps memory bounded without blinding the agent to new engines, models or PIDs.
 
-A full series costs 8 or 16 KiB (1,024 points); 20,000 full series 320 MiB at worst. What
+A full series costs 8 or 16 KiB (1,024 points); 20,000 full series 312.5 MiB at worst. What
 a node keeps is printed by ``benchmarks/node_cost.py --timeline`` (the node's series through
 the real samplers, every ring full).
 """
@@ -63,6 +63,8 @@ class Clock:
 
     Attributes:
         key: the source (the report's ``sampler``).
+        capacity: reports whose timestamps are kept: ``points_per_series + 1`` (a member
+            that missed the newest report still finds its oldest point's when detached).
         tick: index of the newest report recorded (``-1`` before the first).
         members: the rings that hold no timestamps of their own and read them here; each
             was written at every report from its first point to the newest.
@@ -88,8 +90,6 @@ class Clock:
     def __init__(self, key: str, points_per_series: int, registry: dict[str, Clock]) -> None:
         self.key = key
         self._registry = registry  # the timeline's clocks: one leaves it with its last member
-        # one report more than a ring holds: a member that missed the newest report still
-        # finds the timestamp of its oldest point when it is detached after it
         self.capacity = points_per_series + 1
         self._ts = array("d")
         self.tick = -1

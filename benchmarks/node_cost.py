@@ -58,11 +58,16 @@ the timeline at the end (``kvpressure_timeline_series``). Run it under ``flock
 ``--timeline`` prints instead, in-process, the node's timeline once every ring is full:
 the ``node`` scenario's stages are built from its config as ``kvpressure run`` builds them
 (the real samplers against the same engine server) and ticked 13 times; then every
-report's samples are appended ``points_per_series`` times (1,024: each ring fills) to a
-fresh timeline that keeps only what the stages read (as the agent's), and to one that keeps
-every series (as the timeline did before issue 15's cut). For each: the series held, the
-bytes allocated (``tracemalloc``) and the resident memory added (``VmRSS``), and the CPU of
-one round of appends. Usage::
+report's samples are appended ``points_per_series`` times (1,024: each ring fills), each
+report on its sampler's clock, to a fresh timeline that keeps only what the stages read
+(as the agent's), to one that keeps every series (as the timeline did before issue 15's
+cut), and to one that keeps what the agent's keeps with every series holding its own
+timestamps (as before they were shared). For each: the series held, those sharing their
+sampler's timestamps, the bytes allocated (``tracemalloc``) and the resident memory added
+(``VmRSS``), and the CPU of one round of appends. In this fill every report comes at every
+round; in a running agent a series whose writer changes (an engine's gauges, first scraped
+whole, then read by the gauge reader) or that a sampler reads less often than it reports
+(the host's once-a-second sources at 0.1 s) keeps its own timestamps. Usage::
 
     flock /tmp/kvpressure-cpu.lock .venv/bin/python benchmarks/node_cost.py [--seconds 30]
         [--scenarios host,host+poll,host+poll-ka,node,node-1s,node+16,node-1gpu,node+poll]
@@ -541,24 +546,40 @@ def timeline_footprint(engine_ports: list[int]) -> None:
     points = cfg.timeline.points_per_series
     rows = []
     families: dict[str, int] = {}
-    for label, names in (("every series (before)", None), ("kept (read by a stage)", kept)):
+    for label, names, clocks in (
+        ("every series", None, True),
+        ("kept, own timestamps", kept, False),
+        ("kept (the agent's)", kept, True),
+    ):
         # each figure in a fresh child: freed memory is not handed back to the kernel, and
         # tracemalloc's own bookkeeping would count in the resident memory
-        got = _in_child(lambda n=names: _fill(batches, points, cfg.timeline.max_series, n, kept))
-        traced = _in_child(
-            lambda n=names: _fill(batches, points, cfg.timeline.max_series, n, kept, traced=True)
+        def fill(n: Any = names, c: bool = clocks, traced: bool = False) -> dict[str, Any]:
+            return _fill(batches, points, cfg.timeline.max_series, n, kept, traced, c)
+
+        got = _in_child(fill)
+        traced = _in_child(lambda: fill(traced=True))
+        rows.append(
+            (label, got["series"], got["shared"], traced["traced"], got["rss"], got["append_ms"])
         )
-        rows.append((label, got["series"], traced["traced"], got["rss"], got["append_ms"]))
         families = families or got["families"]
     print(
         f"node timeline, {points} points per series (every ring full); "
         f"{len(batches)} reports, {offered} samples a round, {len(kept)} names read by a stage"
     )
-    print(f"{'timeline':<24} {'series':>7} {'traced':>10} {'+RSS':>10} {'append/round':>13}")
-    for label, n, traced, rss, ms in rows:
+    print(
+        f"{'timeline':<24} {'series':>7} {'sharing':>8} {'traced':>10} {'+RSS':>10} "
+        f"{'append/round':>13}"
+    )
+    for label, n, shared, traced, rss, ms in rows:
         print(
-            f"{label:<24} {n:>7} {traced / 2**20:>6.2f} MiB {rss / 2**20:>6.2f} MiB {ms:>10.3f} ms"
+            f"{label:<24} {n:>7} {shared:>8} {traced / 2**20:>6.2f} MiB {rss / 2**20:>6.2f} MiB "
+            f"{ms:>10.3f} ms"
         )
+    print(
+        "sharing: series reading their sampler's timestamps (Clock); traced: tracemalloc; "
+        "+RSS: resident memory added (lower than traced where the fill reuses memory freed "
+        "before it)"
+    )
     print("series not kept, by family (largest first):")
     for name, n in sorted(families.items(), key=lambda kv: -kv[1])[:12]:
         print(f"  {n:>5}  {name}")
@@ -590,12 +611,16 @@ def _fill(
     names: frozenset[str] | None,
     kept: frozenset[str],
     traced: bool = False,
+    clocks: bool = True,
 ) -> dict[str, Any]:
     """Fill a timeline keeping ``names`` (``None``: all) until every ring is full; measure.
 
+    Each report is appended on its sampler's clock, or with ``clocks=False`` without one.
+
     Returns ``series``, then with ``traced`` the bytes allocated (``tracemalloc``), else the
-    resident memory added (``rss``), the CPU of one round of appends to the full rings
-    (``append_ms``) and the series per family not in ``kept`` (``families``).
+    series sharing their sampler's timestamps (``shared``), the resident memory added
+    (``rss``), the CPU of one round of appends to the full rings (``append_ms``) and the
+    series per family not in ``kept`` (``families``).
     """
     import gc
     import tracemalloc
@@ -612,7 +637,7 @@ def _fill(
     for _ in range(points):
         t += 0.1
         for sampler, b in batches:
-            tl.append(t, b, clock=sampler)
+            tl.append(t, b, clock=sampler if clocks else None)
     if traced:
         return {"series": len(tl), "traced": tracemalloc.get_traced_memory()[0]}
     rss = rss_bytes() - rss0
@@ -620,13 +645,20 @@ def _fill(
     for _ in range(200):  # appends to full rings: the steady state's cost
         t += 0.1
         for sampler, b in batches:
-            tl.append(t, b, clock=sampler)
+            tl.append(t, b, clock=sampler if clocks else None)
     append_ms = (time.process_time() - c0) / 200 * 1e3
     with tl._lock:  # the benchmark looks inside: the series per family not kept
         families = Counter(
             name for name, series in tl._by_name.items() if name not in kept for _ in series
         )
-    return {"series": len(tl), "rss": rss, "append_ms": append_ms, "families": families}
+        shared = sum(ring.clocked for ring in tl._series.values())
+    return {
+        "series": len(tl),
+        "shared": shared,
+        "rss": rss,
+        "append_ms": append_ms,
+        "families": families,
+    }
 
 
 def main() -> int:
