@@ -262,11 +262,17 @@ def cpu_s(p: psutil.Process) -> float:
     return t.user + t.system + t.children_user + t.children_system
 
 
+def status_kib(pid: int | str, *keys: str) -> list[int]:
+    """``/proc/PID/status`` fields ``keys`` (its ``kB`` lines: ``VmRSS``, ``VmHWM``, ...), KiB."""
+    fields = dict(
+        line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+    )
+    return [int(fields[k].split()[0]) for k in keys]
+
+
 def hwm_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
+    """The process's peak resident memory (``VmHWM``), MiB."""
+    return status_kib(pid, "VmHWM")[0] / 1024
 
 
 def get(url: str, headers: dict[str, str] | None = None) -> bytes:
@@ -513,10 +519,7 @@ def host_cycle_cost() -> float:
 
 def rss_bytes() -> int:
     """This process's resident memory now (``VmRSS``), bytes."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return 0
+    return status_kib("self", "VmRSS")[0] * 1024
 
 
 def timeline_footprint(engine_ports: list[int]) -> None:

@@ -30,14 +30,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import node_cost as nc  # the sibling benchmark, by path
 
 
-def status_mib(pid: int, *keys: str) -> list[float]:
-    """``/proc/PID/status`` fields ``keys`` (kB lines), in MiB."""
-    fields = dict(
-        line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
-    )
-    return [int(fields[k].split()[0]) / 1024 for k in keys]
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--minutes", type=int, default=17)
@@ -72,8 +64,15 @@ def main() -> int:
                     if agent.poll() is not None:
                         print(f"the agent exited ({agent.returncode})")
                         return 1
-                    rss, anon, file = status_mib(agent.pid, "VmRSS", "RssAnon", "RssFile")
-                    ne = f"{status_mib(peer[0].pid, 'VmRSS')[0]:>5.1f} MiB" if peer else "-"
+                    rss, anon, file = (
+                        kib / 1024
+                        for kib in nc.status_kib(agent.pid, "VmRSS", "RssAnon", "RssFile")
+                    )
+                    ne = (
+                        f"{nc.status_kib(peer[0].pid, 'VmRSS')[0] / 1024:>5.1f} MiB"
+                        if peer
+                        else "-"
+                    )
                     print(
                         f"{minute:>4} m {rss:>6.1f} MiB {anon:>4.1f} MiB {file:>4.1f} MiB {ne:>9}",
                         flush=True,
