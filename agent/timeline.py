@@ -160,8 +160,9 @@ class Ring:
         self._clock = clock
         # with a clock: the tick of the newest point (the one before the current tick
         # until the first write, so that write continues the run)
-        self._tick = clock.tick - 1 if clock is not None else 0
+        self._tick = 0
         if clock is not None:
+            self._tick = clock.tick - 1
             clock.members.add(self)
         self.last_ts = float("-inf")
         """Timestamp of the newest point (Unix seconds); ``-inf`` while empty."""
@@ -174,32 +175,25 @@ class Ring:
         """
         clock = self._clock
         if clock is not None:
-            if clock.open and self._tick == clock.tick - 1:
+            if not (clock.open and self._tick == clock.tick - 1):
+                self.detach()
+            else:
                 self._tick = clock.tick
                 clock.written += 1
-                self.last_ts = ts
-                if self._n < self.capacity:
-                    self._vs.append(value)
-                    self._n += 1
-                    self._next = self._n % self.capacity
-                else:
-                    self._vs[self._next] = value
-                    self._next = (self._next + 1) % self.capacity
-                return
-            self.detach()
-        ts_ = self._ts
-        assert ts_ is not None
-        if ts < self.last_ts:
+        ts_ = self._ts  # None while on a clock: the clock holds the timestamp
+        if ts_ is not None and ts < self.last_ts:
             self._ordered = False  # a clock step back: points() scans (until reordered)
         self.last_ts = ts
         if self._n < self.capacity:
-            ts_.append(ts)
+            if ts_ is not None:
+                ts_.append(ts)
             self._vs.append(value)
             self._n += 1
             self._next = self._n % self.capacity
             return
         i = self._next
-        ts_[i] = ts
+        if ts_ is not None:
+            ts_[i] = ts
         self._vs[i] = value
         self._next = (i + 1) % self.capacity
 
