@@ -202,14 +202,13 @@ class Ring:
         clock = self._clock
         if clock is None:
             return
-        pts = self.points()
+        ts, vs = self.columns()
         if clock.open and self._tick == clock.tick:
             clock.written -= 1  # it no longer counts among the members written this report
         clock.leave(self)
         self._clock = None
-        self._ts = array("d", [t for t, _ in pts])
-        self._vs = array("d", [v for _, v in pts])
-        self._n = len(pts)
+        self._ts, self._vs = ts, vs
+        self._n = len(ts)
         self._next = self._n % self.capacity
         self._ordered = all(a <= b for a, b in zip(self._ts, self._ts[1:], strict=False))
 
@@ -224,7 +223,20 @@ class Ring:
     def points(
         self, start: float = float("-inf"), end: float = float("inf")
     ) -> list[tuple[float, float]]:
-        """Return the points with ``start <= ts <= end``, oldest first.
+        """Return the points with ``start <= ts <= end``, oldest first (see :meth:`columns`)."""
+        ts, vs = self.columns(start, end)
+        return list(zip(ts, vs, strict=True))
+
+    def columns(
+        self, start: float = float("-inf"), end: float = float("inf")
+    ) -> tuple[array[float], array[float]]:
+        """Return the points with ``start <= ts <= end`` as two columns, oldest first.
+
+        Returns:
+            ``(timestamps, values)``: two new ``array('d')`` of equal length (Unix seconds,
+            values); no Python object per point, so a reader that indexes or bisects them
+            (attribution's :class:`~agent.attribution.signals.Series`) allocates two
+            buffers per series, not two floats and a tuple per point.
 
         Cost: two binary searches and a slice per contiguous part of the ring (at most
         two) while timestamps only went forward; a scan of every point otherwise. A ring
@@ -232,7 +244,7 @@ class Ring:
         """
         n = self._n
         if not n:
-            return []
+            return array("d"), array("d")
         vs = self._vs
         size = len(vs)
         first = (self._next - n) % size
@@ -246,21 +258,22 @@ class Ring:
             assert self._ts is not None
             ts, ordered = self._ts, self._ordered
         if not ordered:
-            out: list[tuple[float, float]] = []
-            for k in range(n):
-                i = (first + k) % size
-                t = ts[i]
-                if start <= t <= end:
-                    out.append((t, vs[i]))
-            return out
+            keep = [(first + k) % size for k in range(n)]
+            keep = [i for i in keep if start <= ts[i] <= end]
+            return array("d", [ts[i] for i in keep]), array("d", [vs[i] for i in keep])
         parts = [(first, size), (0, first)] if first else [(0, size)]
-        out = []
+        out_ts: array[float] | None = None
+        out_vs = array("d")
         for lo, hi in parts:
             a = bisect_left(ts, start, lo, hi)
             b = bisect_right(ts, end, a, hi)
             if a < b:
-                out.extend(zip(ts[a:b], vs[a:b], strict=True))
-        return out
+                if out_ts is None:
+                    out_ts, out_vs = ts[a:b], vs[a:b]
+                else:
+                    out_ts += ts[a:b]
+                    out_vs += vs[a:b]
+        return (out_ts if out_ts is not None else array("d")), out_vs
 
     def last(self) -> tuple[float, float] | None:
         """Return the newest point, or ``None`` when empty."""
@@ -478,21 +491,42 @@ class Timeline:
         Raises:
             NotKept: ``name`` is not kept (no running stage declared it reads it).
         """
+        return {
+            labels: list(zip(ts, vs, strict=True))
+            for labels, (ts, vs) in self.columns(name, start, end, match).items()
+        }
+
+    def columns(
+        self,
+        name: str,
+        start: float = float("-inf"),
+        end: float = float("inf"),
+        match: Mapping[str, str] | None = None,
+    ) -> dict[Labels, tuple[array[float], array[float]]]:
+        """:meth:`window` as columns: label set to ``(timestamps, values)`` arrays.
+
+        The same series and points as :meth:`window`, each as two ``array('d')`` of equal
+        length (see :meth:`Ring.columns`); series with no point in the range are left out.
+
+        Raises:
+            NotKept: ``name`` is not kept (no running stage declared it reads it).
+        """
         kept = self._kept
         if kept is not None and name not in kept:
             raise NotKept(
                 f"timeline: {name!r} is not kept; add it to the reading stage's timeline_reads"
             )
         want = tuple((match or {}).items())
-        out: dict[Labels, list[tuple[float, float]]] = {}
+        out: dict[Labels, tuple[array[float], array[float]]] = {}
         with self._lock:
             for labels, ring in self._by_name.get(name, {}).items():
-                ld = dict(labels)
-                if any(ld.get(k) != v for k, v in want):
-                    continue
-                pts = ring.points(start, end)
-                if pts:
-                    out[labels] = pts
+                if want:
+                    ld = dict(labels)
+                    if any(ld.get(k) != v for k, v in want):
+                        continue
+                cols = ring.columns(start, end)
+                if cols[0]:
+                    out[labels] = cols
         return out
 
     def forget(self, older_than: float) -> int:

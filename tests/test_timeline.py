@@ -113,6 +113,9 @@ def test_ring_points_bisect_equals_a_scan_wrapped_or_not():
         end = start + span
         assert ring.points(start, end) == _reference_points(appended, capacity, start, end)
         assert ring.points() == appended[-capacity:]
+        ts, vs = ring.columns(start, end)  # the same points as two array('d') columns
+        assert (ts.typecode, vs.typecode) == ("d", "d")
+        assert list(zip(ts, vs, strict=True)) == _reference_points(appended, capacity, start, end)
 
     check()
 

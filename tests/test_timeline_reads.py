@@ -12,6 +12,7 @@ undeclared raises (and is recorded), a declared name no path reads shows as a di
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Mapping
 
 import pytest
@@ -39,15 +40,15 @@ class Spy(Timeline):
         super().__init__(*args, **kw)  # type: ignore[arg-type]
         self.asked: set[str] = set()
 
-    def window(
+    def columns(
         self,
         name: str,
         start: float = float("-inf"),
         end: float = float("inf"),
         match: Mapping[str, str] | None = None,
-    ) -> dict[Labels, list[tuple[float, float]]]:
-        self.asked.add(name)
-        return super().window(name, start, end, match)
+    ) -> dict[Labels, tuple[array[float], array[float]]]:
+        self.asked.add(name)  # every read: window() reads through columns()
+        return super().columns(name, start, end, match)
 
 
 class Clock:

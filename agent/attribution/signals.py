@@ -14,7 +14,7 @@ before it.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvpressure.agent.catalogue import SampleName
@@ -23,11 +23,15 @@ from kvpressure.agent.timeline import Timeline
 
 @dataclass(frozen=True, slots=True)
 class Series:
-    """The points of one series: times (Unix seconds, ascending) and values."""
+    """The points of one series: times (Unix seconds, ascending) and values.
+
+    ``ts`` and ``vs`` are equal-length sequences: ``array('d')`` columns as the timeline
+    gives them (:meth:`agent.timeline.Timeline.columns`), or tuples (tests).
+    """
 
     labels: Mapping[str, str]
-    ts: tuple[float, ...]
-    vs: tuple[float, ...]
+    ts: Sequence[float]
+    vs: Sequence[float]
 
     def between(self, a: float, b: float, hold: bool = False) -> list[tuple[float, float]]:
         """Return the points with ``a <= t <= b``.
@@ -135,11 +139,8 @@ class Signals:
         data: dict[str, list[Series]] = {}
         for name in names:
             s = (extended or {}).get(name, start)
-            got = timeline.window(name, s, end)
-            data[name] = [
-                Series(dict(labels), tuple(t for t, _ in pts), tuple(v for _, v in pts))
-                for labels, pts in got.items()
-            ]
+            got = timeline.columns(name, s, end)
+            data[name] = [Series(dict(labels), ts, vs) for labels, (ts, vs) in got.items()]
         return cls(data)
 
     @classmethod

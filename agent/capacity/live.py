@@ -56,7 +56,7 @@ import math
 import operator
 import time
 from collections import defaultdict, deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
@@ -247,38 +247,56 @@ def saturation_concurrency(
     return min(pooled, slots) if slots else pooled
 
 
-def growth_rate(points: list[tuple[float, float]]) -> float | None:
-    """Least-squares slope (units per second) of ``(ts, value)`` points; ``None`` if < 3."""
-    if len(points) < 3:
+def growth_rate(ts: Sequence[float], vs: Sequence[float]) -> float | None:
+    """Least-squares slope (units per second) of the points ``(ts[i], vs[i])``.
+
+    Args:
+        ts: timestamps, seconds.
+        vs: the values, as many as ``ts``.
+
+    Returns:
+        The slope, 0.0 for a constant series, ``None`` with fewer than 3 points or one
+        timestamp.
+    """
+    n = len(ts)
+    if n < 3:
         return None
-    n = len(points)
-    if len({v for _, v in points}) == 1:
+    if len(set(vs)) == 1:
         return 0.0  # constant: exactly flat (the mean of equal floats can differ from them)
-    mt = sum(t for t, _ in points) / n
-    mv = sum(v for _, v in points) / n
-    den = sum((t - mt) ** 2 for t, _ in points)
+    mt = sum(ts) / n
+    mv = sum(vs) / n
+    den = sum((t - mt) ** 2 for t in ts)
     if den <= 0:
         return None
-    return sum((t - mt) * (v - mv) for t, v in points) / den
+    return sum((t - mt) * (v - mv) for t, v in zip(ts, vs, strict=True)) / den
 
 
-def _summed_series(series: Mapping[Labels, list[tuple[float, float]]]) -> list[tuple[float, float]]:
-    """The series of ``series`` summed at each timestamp, ``[(ts, sum), ...]`` in time order.
+Columns = tuple[Sequence[float], Sequence[float]]
+"""``(timestamps, values)`` of equal length, as :meth:`agent.timeline.Timeline.columns` gives."""
 
-    One series whose timestamps only rise (an engine with one model: the usual case, and a
-    60 s window of a 0.1 s gauge is 600 points read once a second per engine) is that
-    series as it is; several, or a timestamp repeated or out of order, are summed.
+
+def _summed_series(series: Mapping[Labels, Columns]) -> Columns:
+    """The series of ``series`` summed at each timestamp, as columns in time order.
+
+    Args:
+        series: label set to its ``(timestamps, values)`` (``Timeline.columns``).
+
+    Returns:
+        ``(timestamps, sums)``. One series whose timestamps only rise (an engine with one
+        model: the usual case, and a 60 s window of a 0.1 s gauge is 600 points read once a
+        second per engine) is that series' columns as they are; several, or a timestamp
+        repeated or out of order, are summed.
     """
     if len(series) == 1:
-        (pts,) = series.values()
-        ts = [t for t, _ in pts]
+        ((ts, vs),) = series.values()
         if all(map(operator.lt, ts, islice(ts, 1, None))):
-            return pts
+            return ts, vs
     acc: dict[float, float] = defaultdict(float)
-    for pts in series.values():
-        for t, v in pts:
+    for ts, vs in series.values():
+        for t, v in zip(ts, vs, strict=True):
             acc[t] += v
-    return sorted(acc.items())
+    ordered = sorted(acc.items())
+    return [t for t, _ in ordered], [v for _, v in ordered]
 
 
 @dataclass(slots=True)
@@ -331,7 +349,7 @@ class CapacitySampler(Sampler):
         )
         self._log = LogOnce(log)
         # this collection's used-token history per engine (cleared at each collect)
-        self._history: dict[tuple[str, float, float | None], list[tuple[float, float]]] = {}
+        self._history: dict[tuple[str, float, float | None], Columns] = {}
         if stream is not None:
             stream.subscribe(CONSUMER)
 
@@ -414,7 +432,7 @@ class CapacitySampler(Sampler):
         batch.add("kvpressure_kv_time_to_saturation_seconds", self._tts(v, headroom, now), engine=e)
         self._savings(batch, v, now)
 
-    def _used_history(self, v: EngineView, now: float) -> list[tuple[float, float]]:
+    def _used_history(self, v: EngineView, now: float) -> Columns:
         # asked twice per engine and collection (footprint, time to saturation): read once
         key = (v.engine, now, v.capacity)
         got = self._history.get(key)
@@ -422,16 +440,15 @@ class CapacitySampler(Sampler):
             got = self._history[key] = self._read_used_history(v, now)
         return got
 
-    def _read_used_history(self, v: EngineView, now: float) -> list[tuple[float, float]]:
+    def _read_used_history(self, v: EngineView, now: float) -> Columns:
         tl = self.state.timeline
         match = {"engine": v.engine}
-        pts = _summed_series(tl.window(USED, now - self.window_s, now, match))
-        if pts or v.capacity is None:
-            return pts
-        return [
-            (t, r * v.capacity)
-            for t, r in _summed_series(tl.window(RATIO, now - self.window_s, now, match))
-        ]
+        cols = _summed_series(tl.columns(USED, now - self.window_s, now, match))
+        if cols[0] or v.capacity is None:
+            return cols
+        ts, ratios = _summed_series(tl.columns(RATIO, now - self.window_s, now, match))
+        capacity = v.capacity
+        return ts, [r * capacity for r in ratios]
 
     def request_footprint(self, v: EngineView, now: float) -> float | None:
         """Return the KV tokens one request needs at its largest, for saturation.
@@ -451,11 +468,15 @@ class CapacitySampler(Sampler):
         if finals:
             return sum(finals) / len(finals)
         tl = self.state.timeline
-        running = dict(
-            _summed_series(tl.window(RUNNING, now - self.window_s, now, {"engine": v.engine}))
+        run_ts, run_vs = _summed_series(
+            tl.columns(RUNNING, now - self.window_s, now, {"engine": v.engine})
         )
+        running = dict(zip(run_ts, run_vs, strict=True))
+        ts, used_tokens = self._used_history(v, now)
         ratios = [
-            u / r for t, u in self._used_history(v, now) if u > 0 and (r := running.get(t, 0)) > 0
+            u / r
+            for t, u in zip(ts, used_tokens, strict=True)
+            if u > 0 and (r := running.get(t, 0)) > 0
         ]
         used = v.used_tokens
         if used is not None and v.running:
@@ -465,18 +486,18 @@ class CapacitySampler(Sampler):
     def _tts(self, v: EngineView, headroom: float | None, now: float) -> float | None:
         if headroom is None:
             return None
-        slope = growth_rate(self._used_history(v, now))
+        slope = growth_rate(*self._used_history(v, now))
         if slope is None or slope <= 0:
             return None
         return headroom / slope
 
     def _window_delta(self, name: SampleName, engine: str, now: float) -> float | None:
-        pts = _summed_series(
-            self.state.timeline.window(name, now - self.window_s, now, {"engine": engine})
+        _, vs = _summed_series(
+            self.state.timeline.columns(name, now - self.window_s, now, {"engine": engine})
         )
-        if len(pts) < 2:
+        if len(vs) < 2:
             return None
-        return pts[-1][1] - pts[0][1]
+        return vs[-1] - vs[0]
 
     def prefill_seconds_per_token(self, v: EngineView, now: float) -> float | None:
         """Measured prefill seconds per computed prompt token (see the module doc)."""
