@@ -36,13 +36,14 @@ GIL_SWITCH_INTERVAL_S: Final = 0.001
 the event loop waits for it, in seconds (Python's default is 0.005)."""
 GC_THRESHOLDS: Final = (10_000, 10, 10)
 """``gc.set_threshold`` of ``kvpressure run`` (Python's default: 700, 10, 10)."""
-MALLOC_ARENAS: Final = 2
+MALLOC_ARENAS: Final = 1
 """glibc malloc arenas of ``kvpressure run`` (``mallopt(M_ARENA_MAX)``), unless the environment
 sets ``MALLOC_ARENA_MAX``. glibc gives each thread that allocates an arena of its own, up to
-8 per core; the agent's sampler threads hold the GIL while they allocate, so more arenas buy
-no concurrency, only memory each keeps for itself: on the standard 8-GPU node
-(``benchmarks/node_cost.py``, 25 threads) 2 arenas instead of glibc's default cut ~4 MiB of
-RSS (94.5 -> 90.6 MiB before the other issue-15 cuts)."""
+8 per core; the agent's threads hold the GIL while they allocate, so a second arena buys no
+concurrency, only memory it keeps for itself. On the standard 8-GPU node
+(``benchmarks/node_rss.py``, three runs side by side) one arena held 1.1-1.6 MiB less than
+two for the first 10 minutes and 0.7 MiB less at 14 (2 arenas instead of glibc's default had
+cut ~4 MiB before)."""
 _M_ARENA_MAX: Final = -8  # glibc's <malloc.h>
 
 
