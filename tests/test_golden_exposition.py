@@ -21,6 +21,7 @@ import shutil
 import subprocess
 import threading
 import time
+from array import array
 from collections.abc import Iterator, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -216,15 +217,15 @@ class _Spy(Timeline):
         super().__init__(*args, **kw)
         self.asked: set[str] = set()
 
-    def window(
+    def columns(
         self,
         name: str,
         start: float = float("-inf"),
         end: float = float("inf"),
         match: Mapping[str, str] | None = None,
-    ) -> dict[Labels, list[tuple[float, float]]]:
-        self.asked.add(name)
-        return super().window(name, start, end, match)
+    ) -> dict[Labels, tuple[array[float], array[float]]]:
+        self.asked.add(name)  # every read: window() reads through columns()
+        return super().columns(name, start, end, match)
 
 
 def test_the_agents_timeline_holds_only_what_its_stages_read(
