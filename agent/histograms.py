@@ -144,10 +144,14 @@ class HistogramSnapshot:
         """
         if base.bounds != self.bounds:
             return None
+        # tuple() of a list, not of the map: tuple() of an iterator of unknown length grows its
+        # result outside CPython's tuple free lists, and each such tuple, once freed, is kept
+        # on the free list of its size (up to 2,000 per size): histogram deltas of 14-20
+        # buckets held 1.2 MiB there on the 8-GPU node (issue 15)
         if len(self.cumulative) == len(base.cumulative):
-            diff = tuple(map(operator.sub, self.cumulative, base.cumulative))
+            diff = tuple([*map(operator.sub, self.cumulative, base.cumulative)])
         else:
-            diff = tuple(c - b for c, b in zip(self.cumulative, base.cumulative, strict=True))
+            diff = tuple([c - b for c, b in zip(self.cumulative, base.cumulative, strict=True)])
         if any(map(_NEGATIVE, diff)):
             return None
         s = None if self.sum is None or base.sum is None else self.sum - base.sum
@@ -173,15 +177,15 @@ class HistogramSnapshot:
         if other.bounds != self.bounds:
             return None
         if len(self.cumulative) == len(other.cumulative):
-            total = tuple(map(operator.add, self.cumulative, other.cumulative))
+            total = tuple([*map(operator.add, self.cumulative, other.cumulative)])
         else:
-            total = tuple(a + b for a, b in zip(self.cumulative, other.cumulative, strict=True))
+            total = tuple([a + b for a, b in zip(self.cumulative, other.cumulative, strict=True)])
         s = None if self.sum is None or other.sum is None else self.sum + other.sum
         return HistogramSnapshot(self.bounds, total, s)
 
     def zero(self) -> HistogramSnapshot:
         """An empty histogram with the same buckets."""
-        return HistogramSnapshot(self.bounds, tuple(0.0 for _ in self.bounds), 0.0)
+        return HistogramSnapshot(self.bounds, (0.0,) * len(self.bounds), 0.0)
 
 
 _NEGATIVE: Final = (0.0).__gt__

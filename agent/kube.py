@@ -361,7 +361,7 @@ class PodNameJoin:
             return
         batch = report.batch if report.ok else None
         rows = tuple(
-            s.labels for s in batch or () if s.name == "kvpressure_gpu_process_memory_bytes"
+            [s.labels for s in batch or () if s.name == "kvpressure_gpu_process_memory_bytes"]
         )
         with self._lock:
             self._rows = rows

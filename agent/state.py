@@ -111,7 +111,7 @@ class AgentState:
             health = list(self._health.values())
             version = self._version
         try:
-            return (version, tuple(s for provider in health for s in provider()))
+            return (version, tuple([s for provider in health for s in provider()]))
         except Exception:  # noqa: BLE001 - the rendering logs it; this one is not cached
             return object()
 

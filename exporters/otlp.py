@@ -338,7 +338,7 @@ def snapshot_metrics(
         if not suf:
             plain.setdefault(fam, {}).setdefault(s.labels, s.value)
             continue
-        labels = tuple(kv for kv in s.labels if kv[0] != "le")
+        labels = tuple([kv for kv in s.labels if kv[0] != "le"])
         h = hist.setdefault(fam, {}).setdefault(labels, {"buckets": {}, "count": 0.0, "sum": 0.0})
         if suf == "_bucket":
             le = dict(s.labels).get("le", "+Inf")

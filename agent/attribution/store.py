@@ -66,7 +66,7 @@ class RequestSummary:
             r.end,
             r.outcome,
             slow,
-            tuple((k, v) for k, v in vals.items() if v is not None),
+            tuple([(k, v) for k, v in vals.items() if v is not None]),
             slo_missed,
         )
 

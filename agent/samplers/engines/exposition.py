@@ -119,7 +119,7 @@ class LabelSet(dict[str, str]):
         super().__init__(pairs)
         self.pairs: tuple[tuple[str, str], ...] = tuple(sorted(super().items()))
         self.bucket: tuple[tuple[tuple[str, str], ...], float | None] = (
-            (tuple(p for p in self.pairs if p[0] != "le"), parse_le(self.get("le")))
+            (tuple([p for p in self.pairs if p[0] != "le"]), parse_le(self.get("le")))
             if "le" in self
             else (self.pairs, None)
         )
@@ -731,7 +731,7 @@ def _label_pairs(
     if "__" in text and any(k[:2] == "__" for k in names):
         raise _Reject  # a reserved label name
     if "\\" in text:
-        return tuple((k, _unescape(v)) for k, v in pairs)
+        return tuple([(k, _unescape(v)) for k, v in pairs])
     return tuple(pairs)
 
 

@@ -546,7 +546,7 @@ class MetricIndex:
             return
         groups: dict[tuple[str, LabelPairs], list[Series]] = {}
         for (name, pairs), series in latest.items():
-            kept = tuple(p for p in pairs if p[0] not in PER_PROCESS_LABELS)
+            kept = tuple([p for p in pairs if p[0] not in PER_PROCESS_LABELS])
             groups.setdefault((name, kept), []).append(series)
         for (name, pairs), copies in groups.items():
             one = copies[-1]
