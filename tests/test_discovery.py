@@ -58,3 +58,117 @@ def test_configured_engines_mean_no_empty_discovery_line(caplog: pytest.LogCaptu
     with caplog.at_level(logging.INFO, logger="kvpressure.agent.discovery"):
         asyncio.run(Discovery(lambda _url: None).once(cfg))
     assert caplog.records == []
+
+
+# ---- the PIDs listening on engines' ports --------------------------------------------------
+
+
+def _psutil_listeners(ports: set[int]) -> dict[int, int]:
+    """What the agent read before: psutil's listening TCP sockets on ``ports``."""
+    import psutil
+
+    return {
+        c.pid: c.laddr.port
+        for c in psutil.net_connections(kind="tcp")
+        if c.pid and c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port in ports
+    }
+
+
+def test_listening_pids_equals_psutil_on_this_hosts_sockets() -> None:
+    """Real sockets: IPv4 and IPv6 listeners here and in a child process, connections to them
+    (established sockets on the same ports are not listeners), and a port nobody listens on."""
+    import socket
+    import subprocess
+    import sys
+
+    from kvpressure.agent.discovery import listening_pids
+
+    v4 = socket.create_server(("127.0.0.1", 0))
+    v6 = socket.create_server(("::1", 0), family=socket.AF_INET6) if socket.has_ipv6 else None
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import socket,sys,time\n"
+         "s=socket.create_server(('127.0.0.1',0)); print(s.getsockname()[1], flush=True)\n"
+         "time.sleep(60)"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert child.stdout is not None
+        child_port = int(child.stdout.readline())
+        ports = {v4.getsockname()[1], child_port}
+        if v6 is not None:
+            ports.add(v6.getsockname()[1])
+        clients = [socket.create_connection(("127.0.0.1", p)) for p in (v4.getsockname()[1],)]
+        accepted = [v4.accept()[0]]
+        free = socket.socket()
+        free.bind(("127.0.0.1", 0))
+        unused = free.getsockname()[1]
+        free.close()
+        got = listening_pids(ports | {unused})
+        assert got == _psutil_listeners(ports | {unused})
+        import os
+
+        assert got[child.pid] == child_port and got[os.getpid()] in ports
+        for s in clients + accepted:
+            s.close()
+    finally:
+        child.kill()
+        child.wait()
+        v4.close()
+        if v6 is not None:
+            v6.close()
+
+
+def test_a_socket_held_by_several_processes_maps_every_holder() -> None:
+    """A pre-forked server: the listening socket inherited by a worker maps both PIDs
+    (psutil keeps only one of them)."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from kvpressure.agent.discovery import listening_pids
+
+    srv = socket.create_server(("127.0.0.1", 0))
+    port = srv.getsockname()[1]
+    worker = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)"], pass_fds=(srv.fileno(),)
+    )
+    try:
+        got = listening_pids({port})
+        assert got == {os.getpid(): port, worker.pid: port}
+        assert set(_psutil_listeners({port}).items()) <= set(got.items())
+    finally:
+        worker.kill()
+        worker.wait()
+        srv.close()
+
+
+def test_listening_pids_reads_only_listeners_on_the_ports_and_skips_unreadable(tmp_path) -> None:
+    """A procfs tree: a listener on 8000 (0x1F40) in tcp and one on 8080 (0x1F90) in tcp6, an
+    established socket and a listener on another port; tcp6 may be absent (IPv6 off)."""
+    from kvpressure.agent.discovery import listening_pids
+
+    head = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n"  # noqa: E501
+    net = tmp_path / "net"
+    net.mkdir()
+    (net / "tcp").write_text(
+        head
+        + "   0: 0100007F:1F40 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 111 1 0 100 0 0 10 0\n"  # noqa: E501
+        + "   1: 0100007F:1F40 0100007F:9C40 01 00000000:00000000 00:00000000 00000000     0        0 222 1 0 20 4 30 10 -1\n"  # noqa: E501
+        + "   2: 00000000:0016 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 333 1 0 100 0 0 10 0\n"  # noqa: E501
+    )
+    for pid, links in {"10": ["socket:[111]", "/dev/null"], "20": ["socket:[222]"],
+                       "30": ["socket:[333]"], "40": ["socket:[444]"]}.items():  # fmt: skip
+        fd = tmp_path / pid / "fd"
+        fd.mkdir(parents=True)
+        for i, target in enumerate(links):
+            (fd / str(i)).symlink_to(target)
+    (tmp_path / "50").mkdir()  # a process whose fds cannot be listed: skipped
+    (tmp_path / "self").mkdir()
+    assert listening_pids({8000, 8080}, str(tmp_path)) == {10: 8000}
+    (net / "tcp6").write_text(
+        head
+        + "   0: 00000000000000000000000001000000:1F90 00000000000000000000000000000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 444 1 0 100 0 0 10 0\n"  # noqa: E501
+    )
+    assert listening_pids({8000, 8080}, str(tmp_path)) == {10: 8000, 40: 8080}
+    assert listening_pids({9}, str(tmp_path)) == {}
