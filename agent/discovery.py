@@ -147,7 +147,10 @@ def listening_pids(ports: Collection[int], procfs: str = "/proc") -> dict[int, i
                 cols = line.split()
                 if len(cols) < 10 or cols[3] != b"0A":
                     continue
-                port = int(cols[1].rpartition(b":")[2], 16)
+                try:
+                    port = int(cols[1].rpartition(b":")[2], 16)
+                except ValueError:  # not a line of this format: skipped, the rest read
+                    continue
                 if port in wanted and cols[9] != b"0":
                     inodes[b"socket:[" + cols[9] + b"]"] = port
     found: dict[int, int] = {}
@@ -161,7 +164,7 @@ def listening_pids(ports: Collection[int], procfs: str = "/proc") -> dict[int, i
         for entry in entries:
             if not entry.name.isdigit():
                 continue
-            fd_dir = f"{procfs}/{entry.name}/fd".encode()
+            fd_dir = os.fsencode(f"{procfs}/{entry.name}/fd")
             try:
                 fds = os.listdir(fd_dir)
             except OSError:  # gone, or another user's process

@@ -172,3 +172,6 @@ def test_listening_pids_reads_only_listeners_on_the_ports_and_skips_unreadable(t
     )
     assert listening_pids({8000, 8080}, str(tmp_path)) == {10: 8000, 40: 8080}
     assert listening_pids({9}, str(tmp_path)) == {}
+    with (net / "tcp").open("a") as f:  # a line of another format is skipped, not fatal
+        f.write("   3: 0100007F:XYZ 00000000:0000 0A 0 0 0 0 0 0 555\n")
+    assert listening_pids({8000, 8080}, str(tmp_path)) == {10: 8000, 40: 8080}
