@@ -7,10 +7,15 @@ timeline rings are full at 1,024 s), and prints once a minute the agent's ``VmRS
 ``RssAnon`` and ``RssFile`` (``/proc/PID/status``) beside ``prometheus-node-exporter``'s
 ``VmRSS`` (started on a free port and scraped once a second, as in ``node_cost.py``).
 A figure read 20 s after start (``node_cost.py``'s windows) holds rings that are still
-filling; this one is the steady state issue 15's 60 MiB target is read against. Usage::
+filling; this one is the steady state issue 15's 60 MiB target is read against.
+
+``--connections N`` opens N loopback TCP connections (2N sockets, held by a child process)
+after the first minute's line and holds them to the end, as a busy inference node holds
+its clients' connections: the agent's reads of the host's sockets (the engines' listening
+PIDs) must not grow with them. Usage::
 
     flock /tmp/kvpressure-cpu.lock .venv/bin/python benchmarks/node_rss.py [--minutes 17]
-        [--kvpressure OTHER_CHECKOUT/.venv/bin/kvpressure]
+        [--connections 10000] [--kvpressure OTHER_CHECKOUT/.venv/bin/kvpressure]
 """
 
 from __future__ import annotations
@@ -29,12 +34,31 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import node_cost as nc  # the sibling benchmark, by path
 
+HOLD_CONNECTIONS = r"""
+import resource, socket, sys, time
+n = int(sys.argv[1])
+hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+n = min(n, (hard - 64) // 2)
+srv = socket.create_server(("127.0.0.1", 0), backlog=4096)
+held = []
+for _ in range(n):
+    held.append(socket.create_connection(srv.getsockname()))
+    held.append(srv.accept()[0])
+print(n, flush=True)
+time.sleep(1e9)
+"""
+"""A child that opens ``argv[1]`` loopback connections (up to its file limit), prints how
+many, and holds them until killed."""
+
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--minutes", type=int, default=17)
     ap.add_argument("--kvpressure", type=Path, default=Path(sys.executable).parent / "kvpressure")
+    ap.add_argument("--connections", type=int, default=0, help="held from the second minute")
     args = ap.parse_args()
+    holder: subprocess.Popen[str] | None = None
     capture = next(p for p in nc.CAPTURES if p.exists())
     ports = [nc.free_port() for _ in range(8)]
     servers = nc.start_engines(capture, ports)
@@ -77,10 +101,21 @@ def main() -> int:
                         f"{minute:>4} m {rss:>6.1f} MiB {anon:>4.1f} MiB {file:>4.1f} MiB {ne:>9}",
                         flush=True,
                     )
+                    if minute == 1 and args.connections > 0:
+                        holder = subprocess.Popen(
+                            [sys.executable, "-c", HOLD_CONNECTIONS, str(args.connections)],
+                            stdout=subprocess.PIPE,
+                            text=True,
+                        )
+                        assert holder.stdout is not None
+                        print(f"  {holder.stdout.readline().strip()} connections open", flush=True)
             finally:
                 stop.set()
                 agent.terminate()
                 agent.wait(10)
+                if holder is not None:
+                    holder.kill()
+                    holder.wait()
     finally:
         nc.stop_engines(servers)
     return 0
