@@ -1,7 +1,9 @@
 """The bounded in-memory timeline: a ring buffer of recent points per series.
 
 The daemon appends every sampler batch here; attribution and the capacity planner read
-windows back (``window``) to see what each resource did over a request's lifetime.
+windows back to see what each resource did over a request's lifetime: ``columns`` gives
+each series' points as two ``array('d')`` (timestamps, values), ``window`` as ``(t, v)``
+pairs.
 
 Only what is read back is kept. Each derived stage that reads the timeline declares the
 metric names it reads (:attr:`agent.pipeline.Sampler.timeline_reads`, registered with the
