@@ -116,7 +116,9 @@ def listening_pids(ports: Collection[int], procfs: str = "/proc") -> dict[int, i
     ``benchmarks/node_rss.py``'s scenario). Here ``{procfs}/net/tcp`` and ``tcp6`` are
     scanned line by line for listening sockets on ``ports`` (their inodes), then each
     process's ``fd`` directory for those inodes. A socket several processes hold (a
-    pre-forked server's workers) maps every holder; psutil keeps only the highest PID.
+    pre-forked server's workers) maps every holder; psutil keeps only the highest PID. A
+    process listening on several of ``ports`` maps to the lowest of them (psutil: whichever
+    socket it lists last).
     Processes whose descriptors cannot be read (another user's, without privilege) or
     that exit meanwhile are skipped, as psutil skips them.
 
@@ -176,5 +178,8 @@ def listening_pids(ports: Collection[int], procfs: str = "/proc") -> dict[int, i
                     continue
                 held = inodes.get(target)
                 if held is not None:
-                    found[int(entry.name)] = held
+                    pid = int(entry.name)
+                    known = found.get(pid)
+                    if known is None or held < known:  # several ports: the lowest, always
+                        found[pid] = held
     return found

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import socket
+import subprocess
+import sys
 
 import pytest
 
@@ -74,58 +78,65 @@ def _psutil_listeners(ports: set[int]) -> dict[int, int]:
     }
 
 
-def test_listening_pids_equals_psutil_on_this_hosts_sockets() -> None:
-    """Real sockets: IPv4 and IPv6 listeners here and in a child process, connections to them
-    (established sockets on the same ports are not listeners), and a port nobody listens on."""
-    import socket
-    import subprocess
-    import sys
+def _listener(host: str) -> tuple[subprocess.Popen[str], int]:
+    """A child process listening on ``host`` (an ephemeral port); returns it and the port."""
+    family = "socket.AF_INET6" if ":" in host else "socket.AF_INET"
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import socket,time\n"
+         f"s=socket.create_server(({host!r},0),family={family})\n"
+         "print(s.getsockname()[1], flush=True)\ntime.sleep(60)"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert child.stdout is not None
+    return child, int(child.stdout.readline())
 
+
+def test_listening_pids_equals_psutil_on_this_hosts_sockets() -> None:
+    """Real sockets: IPv4 and IPv6 listeners, each in a process of its own (here, and in
+    children), connections to them (established sockets on the same ports are not
+    listeners), and a port nobody listens on."""
     from kvpressure.agent.discovery import listening_pids
 
     v4 = socket.create_server(("127.0.0.1", 0))
-    v6 = socket.create_server(("::1", 0), family=socket.AF_INET6) if socket.has_ipv6 else None
-    child = subprocess.Popen(
-        [sys.executable, "-c", "import socket,sys,time\n"
-         "s=socket.create_server(('127.0.0.1',0)); print(s.getsockname()[1], flush=True)\n"
-         "time.sleep(60)"],
-        stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    children = [_listener("127.0.0.1")]
+    if socket.has_ipv6:
+        children.append(_listener("::1"))
     try:
-        assert child.stdout is not None
-        child_port = int(child.stdout.readline())
-        ports = {v4.getsockname()[1], child_port}
-        if v6 is not None:
-            ports.add(v6.getsockname()[1])
-        clients = [socket.create_connection(("127.0.0.1", p)) for p in (v4.getsockname()[1],)]
-        accepted = [v4.accept()[0]]
+        ports = {v4.getsockname()[1], *(port for _, port in children)}
+        client = socket.create_connection(v4.getsockname())
+        accepted = v4.accept()[0]
         free = socket.socket()
         free.bind(("127.0.0.1", 0))
         unused = free.getsockname()[1]
         free.close()
         got = listening_pids(ports | {unused})
         assert got == _psutil_listeners(ports | {unused})
-        import os
-
-        assert got[child.pid] == child_port and got[os.getpid()] in ports
-        for s in clients + accepted:
-            s.close()
+        assert got == {os.getpid(): v4.getsockname()[1], **{c.pid: p for c, p in children}}
+        client.close()
+        accepted.close()
     finally:
-        child.kill()
-        child.wait()
+        for c, _ in children:
+            c.kill()
+            c.wait()
         v4.close()
-        if v6 is not None:
-            v6.close()
+
+
+def test_a_process_listening_on_several_ports_maps_to_the_lowest() -> None:
+    from kvpressure.agent.discovery import listening_pids
+
+    servers = [socket.create_server(("127.0.0.1", 0)) for _ in range(3)]
+    try:
+        ports = {s.getsockname()[1] for s in servers}
+        for _ in range(3):  # whatever order the sockets are listed in
+            assert listening_pids(ports) == {os.getpid(): min(ports)}
+    finally:
+        for s in servers:
+            s.close()
 
 
 def test_a_socket_held_by_several_processes_maps_every_holder() -> None:
     """A pre-forked server: the listening socket inherited by a worker maps both PIDs
     (psutil keeps only one of them)."""
-    import os
-    import socket
-    import subprocess
-    import sys
-
     from kvpressure.agent.discovery import listening_pids
 
     srv = socket.create_server(("127.0.0.1", 0))
