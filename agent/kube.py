@@ -147,7 +147,7 @@ class EnginePods:
     An engine's pod labels (``pod_uid``, and ``namespace``/``pod``/``container`` where a
     name source knows them) for its series, as dcgm-exporter labels a GPU's series with the
     pod it is assigned to. Sources: ``engine_pids()`` (the PID listening on each loopback
-    engine's port, the daemon's ``psutil`` scan), that PID's ``/proc/PID/cgroup``
+    engine's port, :func:`agent.discovery.listening_pids`), that PID's ``/proc/PID/cgroup``
     (:func:`pod_of_pid`), and ``names(pod_uid)`` (the kubelet's names, as the GPU sampler
     learned them from the pod-resources socket for that pod's GPU processes).
 

@@ -18,8 +18,8 @@ Rules of the house, checked by ``tests/test_pipeline.py``:
 
 * a source reads the outside world only, never another source or the state. What several
   stages need is a lookup in the :class:`Context`: ``engine_pids`` (the PIDs listening on
-  the engines' ports: the daemon's ``psutil`` scan, read by the GPU source to join processes
-  to engines and by ``engine_pods``), ``engine_pods`` (an engine's pod labels: its
+  the engines' ports: :func:`agent.discovery.listening_pids`, read by the GPU source to
+  join processes to engines and by ``engine_pods``), ``engine_pods`` (an engine's pod labels: its
   listening PID's ``/proc/PID/cgroup``, plus names that only the GPU source's process rows
   give, joined on the derived side by :class:`agent.kube.PodNameJoin` from each published
   ``gpu`` report, never read from the state or the GPU sampler by the engine source) and

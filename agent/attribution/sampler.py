@@ -615,7 +615,7 @@ class AttributionSampler(Sampler):
 
     def _engines(self, now: float) -> set[str]:
         engines = self.store.engines_with_requests()
-        for labels in self.timeline.window(ENGINE_UP, now - 60.0, now):
+        for labels in self.timeline.columns(ENGINE_UP, now - 60.0, now):  # labels only
             eng = dict(labels).get("engine")
             if eng:
                 engines.add(eng)

@@ -590,7 +590,7 @@ class GpuSampler(_NvmlMixin, Sampler):
             self._pids_cache is None or any(r.slow for r in readings.values())
         ):
             # The process lists change at most every SLOW_INTERVAL_S. Asking for the engines'
-            # listening PIDs walks every process's fds (psutil.net_connections): ask only when
+            # listening PIDs walks every process's fds (discovery.listening_pids): ask only when
             # a GPU process appeared (an engine (re)started) or the answer is old (an engine
             # added by discovery or a reload whose process was already on a GPU).
             gpu_pids = frozenset(
