@@ -112,15 +112,16 @@ def listening_pids(ports: Collection[int], procfs: str = "/proc") -> dict[int, i
     What ``psutil.net_connections(kind="tcp")`` gives for listening sockets, read in
     constant memory: psutil builds a tuple for every TCP socket of the host and a map of
     every socket descriptor of every process, which an agent keeps as resident memory
-    after the call (+15.8 MiB with 10,000 loopback connections open on the node,
-    ``benchmarks/node_rss.py``'s scenario). Here ``{procfs}/net/tcp`` and ``tcp6`` are
-    scanned line by line for listening sockets on ``ports`` (their inodes), then each
-    process's ``fd`` directory for those inodes. A socket several processes hold (a
-    pre-forked server's workers) maps every holder; psutil keeps only the highest PID. A
-    process listening on several of ``ports`` maps to the lowest of them (psutil: whichever
-    socket it lists last).
-    Processes whose descriptors cannot be read (another user's, without privilege) or
-    that exit meanwhile are skipped, as psutil skips them.
+    after the call (the node grew from 57.2 to 95.7 MiB in four minutes with ~40,000
+    sockets open: ``benchmarks/node_rss.py --connections 10000``, two runs at once). Here
+    ``{procfs}/net/tcp`` and ``tcp6`` are scanned line by line for listening sockets on
+    ``ports`` (their inodes), then each process's ``fd`` directory for those inodes.
+
+    A socket several processes hold (a pre-forked server's workers) maps every holder;
+    psutil keeps only the highest PID. A process listening on several of ``ports`` maps to
+    the lowest of them (psutil: whichever socket it lists last). Processes whose
+    descriptors cannot be read (another user's, without privilege) or that exit meanwhile
+    are skipped, as psutil skips them.
 
     Args:
         ports: TCP ports (IPv4 and IPv6 listeners alike).
