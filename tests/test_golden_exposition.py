@@ -21,23 +21,20 @@ import shutil
 import subprocess
 import threading
 import time
-from array import array
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
 
 import pytest
 from prometheus_client import generate_latest
+from test_timeline_reads import Spy  # the timeline that records every name read from it
 
 from kvpressure.agent import daemon as daemon_module
 from kvpressure.agent import pipeline
 from kvpressure.agent.config import parse
 from kvpressure.agent.daemon import Daemon
 from kvpressure.agent.requests.record import RequestRecord
-from kvpressure.agent.samples import Labels
 from kvpressure.agent.scheduler import Once
-from kvpressure.agent.timeline import Timeline
 
 FIXTURES = Path(__file__).parent / "fixtures"
 GOLDEN_DIR = FIXTURES / "golden"
@@ -210,34 +207,16 @@ def test_normalisation_keeps_what_does_not_vary() -> None:
     ]
 
 
-class _Spy(Timeline):
-    """The daemon's timeline, recording every metric name read from it."""
-
-    def __init__(self, *args: Any, **kw: Any) -> None:
-        super().__init__(*args, **kw)
-        self.asked: set[str] = set()
-
-    def columns(
-        self,
-        name: str,
-        start: float = float("-inf"),
-        end: float = float("inf"),
-        match: Mapping[str, str] | None = None,
-    ) -> dict[Labels, tuple[array[float], array[float]]]:
-        self.asked.add(name)  # every read: window() reads through columns()
-        return super().columns(name, start, end, match)
-
-
 def test_the_agents_timeline_holds_only_what_its_stages_read(
     engines: dict[str, int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Issue 15: the engines' latency histograms (and every other series no stage reads
     back) are exported but not kept in the timeline; each stage reads only what it declared.
     """
-    monkeypatch.setattr(daemon_module, "Timeline", _Spy)
+    monkeypatch.setattr(daemon_module, "Timeline", Spy)
     with run_agent(engines) as (daemon, stages):
         tl = daemon.state.timeline
-        assert isinstance(tl, _Spy)
+        assert isinstance(tl, Spy)
         exported = {s.name for m in daemon.registry.collect() for s in m.samples}
         held = tl.names()
         declared = pipeline.timeline_reads(daemon.config)
