@@ -15,6 +15,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Final
 
 from kvpressure.agent import __version__
 from kvpressure.agent.catalogue import SampleName
@@ -162,8 +163,17 @@ class AgentState:
         """
         return self.latest_many((name,))[name]
 
-    def latest_many(self, names: Iterable[SampleName]) -> dict[SampleName, dict[Labels, float]]:
+    def latest_many(
+        self, names: Iterable[SampleName], samplers: tuple[str, ...] = ("",)
+    ) -> dict[SampleName, dict[Labels, float]]:
         """:meth:`latest` of each of ``names``, read in one pass over the samplers' reports.
+
+        Args:
+            names: the sample names to read.
+            samplers: read only the reports of samplers whose name starts with one of these
+                (default: every sampler). A stage that reads engine metrics at 10 Hz passes
+                the engine samplers' prefixes (:data:`ENGINE_SAMPLERS`): the GPU and host
+                reports, new every cycle, are then not searched for names they never carry.
 
         Returns:
             Each name to ``{labels: value}`` (empty when no healthy sampler has it); where
@@ -174,7 +184,7 @@ class AgentState:
         wanted = tuple(names)
         out: dict[SampleName, dict[Labels, float]] = {n: {} for n in wanted}
         for r in self.reports():
-            if r.ok and r.batch is not None:
+            if r.ok and r.batch is not None and r.sampler.startswith(samplers):
                 index = self._named(r, wanted)
                 for name, got in out.items():
                     for s in index.get(name, ()):
@@ -258,6 +268,10 @@ class AgentState:
                 continue
             yield from got
 
+
+ENGINE_SAMPLERS: Final[tuple[str, ...]] = ("engine:", "engine-gauges:")
+"""Name prefixes of the samplers that publish engine metrics (``kvpressure_engine_*``): an
+engine's full scrape (``engine:<name>``) and its gauge reads (``engine-gauges:<name>``)."""
 
 _RANK = {"ok": 0, "unsupported": 1, "error": 2}
 

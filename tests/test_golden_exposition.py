@@ -34,7 +34,9 @@ from kvpressure.agent import pipeline
 from kvpressure.agent.config import parse
 from kvpressure.agent.daemon import Daemon
 from kvpressure.agent.requests.record import RequestRecord
+from kvpressure.agent.samplers import accelerator
 from kvpressure.agent.scheduler import Once
+from kvpressure.agent.state import ENGINE_SAMPLERS
 
 FIXTURES = Path(__file__).parent / "fixtures"
 GOLDEN_DIR = FIXTURES / "golden"
@@ -236,3 +238,22 @@ def test_the_agents_timeline_holds_only_what_its_stages_read(
             assert tl.asked, r.sampler.name
             assert tl.asked <= r.sampler.timeline_reads, (
                 r.sampler.name, sorted(tl.asked - r.sampler.timeline_reads))  # fmt: skip
+
+
+def test_engine_metrics_come_only_from_the_engine_samplers(engines: dict[str, int]) -> None:
+    """The accelerator reads the engines' metrics from the engine samplers' reports alone
+    (``ENGINE_SAMPLERS``): the whole agent's reports, engines and GPU included, give it the
+    same answer as a read of every report, and no other sampler publishes those names."""
+    with run_agent(engines) as (daemon, _):
+        state = daemon.state
+        names = accelerator._VIEWED
+        assert state.latest_many(names, samplers=ENGINE_SAMPLERS) == state.latest_many(names)
+        assert state.latest_many(names)["kvpressure_engine_requests_running"]
+        others = {
+            s.name
+            for r in state.reports()
+            if r.batch is not None and not r.sampler.startswith(ENGINE_SAMPLERS)
+            for s in r.batch.samples
+        }
+        assert others, "the GPU, host and derived stages published"
+        assert not others & set(names), sorted(others & set(names))

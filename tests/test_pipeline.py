@@ -437,6 +437,12 @@ def test_latest_many_answers_each_name_as_latest_does() -> None:
     assert many == {n: state.latest(n) for n in names}
     assert {dict(k)["engine"]: v for k, v in many[running].items()} == {"x": 1.0}
     assert many["kvpressure_engine_kv_cache_usage_ratio"] == {}
+    # only the samplers asked for: "b" alone, then "a" or "c" (c is down: nothing)
+    assert {dict(k)["engine"]: v for k, v in state.latest_many(names, ("b",))[running].items()} == {
+        "x": 2.0
+    }
+    assert state.latest_many(names, ("a", "c")) == state.latest_many(names, ("a",))
+    assert state.latest_many(names, ("z",)) == {n: {} for n in names}
 
 
 def test_held_samples_are_current_values_but_not_new_timeline_points() -> None:

@@ -54,6 +54,7 @@ Like the GPU sampler, the module imports only the standard library and the core,
 
 from __future__ import annotations
 
+import functools
 import logging
 from array import array
 from collections import OrderedDict
@@ -66,7 +67,7 @@ from kvpressure.agent.catalogue import SampleName
 from kvpressure.agent.logs import LogOnce
 from kvpressure.agent.pipeline import Context, Plan, Sampler, Stage, register
 from kvpressure.agent.samples import Batch, Labels, Sample, SourceStatus, make_labels
-from kvpressure.agent.state import SamplerReport
+from kvpressure.agent.state import ENGINE_SAMPLERS, SamplerReport
 
 log = logging.getLogger(__name__)
 
@@ -669,7 +670,7 @@ def _plan(ctx: Context) -> list[Plan]:
             spec,
             lambda: AcceleratorSampler(
                 lambda: state.report("gpu"),
-                state.latest_many,
+                functools.partial(state.latest_many, samplers=ENGINE_SAMPLERS),
                 thresholds=cfg.gpu,
                 gpu_interval_s=gpu_interval,
                 interval_s=ctx.interval_s("accelerator"),
