@@ -81,6 +81,15 @@ class Stage(enum.StrEnum):
 SHARED_THREAD: Final = "shared"
 """The default :attr:`Sampler.thread_group`: every sampler of one interval on one thread."""
 
+ENGINE_SAMPLER: Final = "engine:"
+"""Name prefix of an engine's full-scrape sampler and plan (``engine:<name>``)."""
+ENGINE_GAUGE_SAMPLER: Final = "engine-gauges:"
+"""Name prefix of an engine's gauge-read sampler and plan (``engine-gauges:<name>``)."""
+ENGINE_SAMPLERS: Final[tuple[str, ...]] = (ENGINE_SAMPLER, ENGINE_GAUGE_SAMPLER)
+"""Name prefixes of the samplers that publish engine metrics (``kvpressure_engine_*``): a
+stage reading those from the state asks only their reports
+(:meth:`agent.state.AgentState.latest_many`)."""
+
 
 class Sampler(abc.ABC):
     """A periodic stage: a reader of one kind of source, or a derived computation.

@@ -15,7 +15,6 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Final
 
 from kvpressure.agent import __version__
 from kvpressure.agent.catalogue import SampleName
@@ -172,8 +171,9 @@ class AgentState:
             names: the sample names to read.
             samplers: read only the reports of samplers whose name starts with one of these
                 (default: every sampler). A stage that reads engine metrics at 10 Hz passes
-                the engine samplers' prefixes (:data:`ENGINE_SAMPLERS`): the GPU and host
-                reports, new every cycle, are then not searched for names they never carry.
+                the engine samplers' prefixes (:data:`agent.pipeline.ENGINE_SAMPLERS`): the
+                GPU and host reports, new every cycle, are then not searched for names they
+                never carry.
 
         Returns:
             Each name to ``{labels: value}`` (empty when no healthy sampler has it); where
@@ -268,10 +268,6 @@ class AgentState:
                 continue
             yield from got
 
-
-ENGINE_SAMPLERS: Final[tuple[str, ...]] = ("engine:", "engine-gauges:")
-"""Name prefixes of the samplers that publish engine metrics (``kvpressure_engine_*``): an
-engine's full scrape (``engine:<name>``) and its gauge reads (``engine-gauges:<name>``)."""
 
 _RANK = {"ok": 0, "unsupported": 1, "error": 2}
 

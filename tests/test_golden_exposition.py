@@ -33,10 +33,10 @@ from kvpressure.agent import daemon as daemon_module
 from kvpressure.agent import pipeline
 from kvpressure.agent.config import parse
 from kvpressure.agent.daemon import Daemon
+from kvpressure.agent.pipeline import ENGINE_SAMPLERS
 from kvpressure.agent.requests.record import RequestRecord
 from kvpressure.agent.samplers import accelerator
 from kvpressure.agent.scheduler import Once
-from kvpressure.agent.state import ENGINE_SAMPLERS
 
 FIXTURES = Path(__file__).parent / "fixtures"
 GOLDEN_DIR = FIXTURES / "golden"

@@ -65,9 +65,9 @@ from typing import Final
 from kvpressure.agent import catalogue as m
 from kvpressure.agent.catalogue import SampleName
 from kvpressure.agent.logs import LogOnce
-from kvpressure.agent.pipeline import Context, Plan, Sampler, Stage, register
+from kvpressure.agent.pipeline import ENGINE_SAMPLERS, Context, Plan, Sampler, Stage, register
 from kvpressure.agent.samples import Batch, Labels, Sample, SourceStatus, make_labels
-from kvpressure.agent.state import ENGINE_SAMPLERS, SamplerReport
+from kvpressure.agent.state import SamplerReport
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,14 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
-from kvpressure.agent.pipeline import Context, Plan, Stage, register
+from kvpressure.agent.pipeline import (
+    ENGINE_GAUGE_SAMPLER,
+    ENGINE_SAMPLER,
+    Context,
+    Plan,
+    Stage,
+    register,
+)
 from kvpressure.agent.samplers.engines.base import (
     AUTO,
     EngineGaugeSampler,
@@ -115,7 +122,7 @@ def _plan(ctx: Context) -> list[Plan]:
             built[:] = [sampler]
             return sampler
 
-        out.append(Plan(f"engine:{e.label}", spec, build))
+        out.append(Plan(f"{ENGINE_SAMPLER}{e.label}", spec, build))
         if gauges and gauges < interval:
 
             def build_gauges(
@@ -125,5 +132,5 @@ def _plan(ctx: Context) -> list[Plan]:
                     raise RuntimeError("the engine sampler was not built")
                 return built[0].gauge_sampler(every)
 
-            out.append(Plan(f"engine-gauges:{e.label}", spec, build_gauges))
+            out.append(Plan(f"{ENGINE_GAUGE_SAMPLER}{e.label}", spec, build_gauges))
     return out

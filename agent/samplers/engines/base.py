@@ -42,6 +42,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Final
 
 from kvpressure.agent.logs import RateLimitedLog
+from kvpressure.agent.pipeline import ENGINE_GAUGE_SAMPLER, ENGINE_SAMPLER
 from kvpressure.agent.samplers.base import LogOnce, Sampler
 from kvpressure.agent.samplers.engines.exposition import (
     REASON_EMPTY,
@@ -228,7 +229,7 @@ class EngineSampler(Sampler):
         if engine_type != AUTO and engine_type not in ENGINE_TYPES:
             known = ", ".join([AUTO, *ENGINE_TYPES])
             raise ValueError(f"unknown engine type {engine_type!r}; expected one of {known}")
-        self.name = f"engine:{name}"
+        self.name = f"{ENGINE_SAMPLER}{name}"
         self.engine = name
         self.url = base_url(url)
         self.instance = instance_of(self.url)
@@ -545,7 +546,7 @@ class EngineGaugeSampler(Sampler):
 
     def __init__(self, engine: EngineSampler, interval_s: float) -> None:
         super().__init__(interval_s=interval_s, timeout_s=max(interval_s, 1.0))
-        self.name = f"engine-gauges:{engine.engine}"
+        self.name = f"{ENGINE_GAUGE_SAMPLER}{engine.engine}"
         self._engine = engine
         self._raw = (
             KeptAlive(engine.url, {"Accept": _ACCEPT}) if engine._transport is None else None
